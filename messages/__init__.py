@@ -1,0 +1,42 @@
+"""Wire contract of the vLLM NATS worker: request and frame structs, codecs, subject names.
+
+This package imports msgspec and nothing else, so a publisher in any environment can use it
+without vllm or torch.
+"""
+
+from messages.codec import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, Codec, codec_for
+from messages.frames import (
+    FINISH_REASONS,
+    ErrorCode,
+    ErrorInfo,
+    FinishReason,
+    ResponseFrame,
+    TopLogprob,
+    Usage,
+)
+from messages.request import (
+    GenerateRequest,
+    OutputOptions,
+    SamplingOptions,
+    StopConditions,
+)
+from messages.subjects import Subjects
+
+__all__ = [
+    "FINISH_REASONS",
+    "JSON_CONTENT_TYPE",
+    "MSGPACK_CONTENT_TYPE",
+    "Codec",
+    "ErrorCode",
+    "ErrorInfo",
+    "FinishReason",
+    "GenerateRequest",
+    "OutputOptions",
+    "ResponseFrame",
+    "SamplingOptions",
+    "StopConditions",
+    "Subjects",
+    "TopLogprob",
+    "Usage",
+    "codec_for",
+]

@@ -1,0 +1,61 @@
+"""Encoding by Content-Type: msgpack by default, JSON when the request says so.
+
+One Encoder/Decoder per (format, type), made once: msgspec's are reusable and thread-safe.
+JSON note: JSON has no NaN or infinity, so a non-finite logprob (e.g. -inf) is written as `null`;
+msgpack keeps it as a float64. `bytes` fields are msgpack `bin` and base64 strings in JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from messages.frames import ResponseFrame
+from messages.request import GenerateRequest
+
+MSGPACK_CONTENT_TYPE = "application/msgpack"
+JSON_CONTENT_TYPE = "application/json"
+
+
+@dataclass(frozen=True)
+class Codec:
+    content_type: str
+    _encoder: Any
+    _request_decoder: Any
+    _frame_decoder: Any
+
+    def encode(self, obj: Any) -> bytes:
+        return self._encoder.encode(obj)
+
+    def decode_request(self, data: bytes) -> GenerateRequest:
+        """Raises msgspec.DecodeError / ValidationError naming the field and the rule."""
+        return self._request_decoder.decode(data)
+
+    def decode_frame(self, data: bytes) -> ResponseFrame:
+        return self._frame_decoder.decode(data)
+
+
+MSGPACK = Codec(
+    MSGPACK_CONTENT_TYPE,
+    msgspec.msgpack.Encoder(),
+    msgspec.msgpack.Decoder(GenerateRequest),
+    msgspec.msgpack.Decoder(ResponseFrame),
+)
+JSON = Codec(
+    JSON_CONTENT_TYPE,
+    msgspec.json.Encoder(),
+    msgspec.json.Decoder(GenerateRequest),
+    msgspec.json.Decoder(ResponseFrame),
+)
+
+
+def codec_for(headers: Mapping[str, str] | None) -> Codec:
+    """JSON if the message's Content-Type says JSON (parameters like charset allowed)."""
+    if headers:
+        content_type = headers.get("Content-Type") or headers.get("content-type") or ""
+        if content_type.split(";", 1)[0].strip().lower() == JSON_CONTENT_TYPE:
+            return JSON
+    return MSGPACK

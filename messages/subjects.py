@@ -1,0 +1,32 @@
+"""Subject names: `<namespace>.<component>.<endpoint>` for the queue group, plus
+`<namespace>.<component>.<endpoint>.<instance_id>` for direct routing to one worker."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# One subject token: no dots, spaces or wildcards, or the subject would mean something else.
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+@dataclass(frozen=True)
+class Subjects:
+    namespace: str = "llm"
+    component: str = "vllm"
+    endpoint: str = "generate"
+
+    def __post_init__(self) -> None:
+        for name in ("namespace", "component", "endpoint"):
+            value = getattr(self, name)
+            if not _TOKEN.match(value):
+                raise ValueError(f"{name} {value!r} must be one NATS subject token [A-Za-z0-9_-]+")
+
+    @property
+    def generate(self) -> str:
+        return f"{self.namespace}.{self.component}.{self.endpoint}"
+
+    def instance(self, instance_id: str) -> str:
+        if not _TOKEN.match(instance_id):
+            raise ValueError(f"instance_id {instance_id!r} must be one NATS subject token")
+        return f"{self.generate}.{instance_id}"

@@ -1,0 +1,44 @@
+"""Worker configuration: one typed, keyword-only dataclass; NATS settings default from env."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+
+from messages.subjects import Subjects
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+@dataclass(kw_only=True)
+class NatsConfig:
+    servers: list[str] = field(
+        default_factory=lambda: (_env("NATS_URL") or "nats://127.0.0.1:4222").split(",")
+    )
+    """Server list (a cluster's nodes); nats-py fails over between them."""
+    name: str = "vllm-nats-worker"
+    user: str | None = field(default_factory=lambda: _env("NATS_USER"))
+    password: str | None = field(default_factory=lambda: _env("NATS_PASSWORD"))
+    token: str | None = field(default_factory=lambda: _env("NATS_TOKEN"))
+    creds_file: str | None = field(default_factory=lambda: _env("NATS_CREDS"))
+    nkeys_seed: str | None = field(default_factory=lambda: _env("NATS_NKEY_SEED"))
+    tls_ca: str | None = field(default_factory=lambda: _env("NATS_TLS_CA"))
+    tls_cert: str | None = field(default_factory=lambda: _env("NATS_TLS_CERT"))
+    tls_key: str | None = field(default_factory=lambda: _env("NATS_TLS_KEY"))
+    max_reconnect_attempts: int = -1
+    """-1: keep reconnecting forever (a worker outlives broker restarts)."""
+    reconnect_wait_s: float = 0.5
+
+
+@dataclass(kw_only=True)
+class WorkerConfig:
+    nats: NatsConfig = field(default_factory=NatsConfig)
+    subjects: Subjects = field(default_factory=Subjects)
+    queue_group: str = "vllm-workers"
+    """Workers of one group share `subjects.generate`: each message goes to one of them."""
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """Also served on `<generate subject>.<instance_id>`, for routing to this worker."""
+    max_n: int = 16

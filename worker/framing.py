@@ -1,0 +1,97 @@
+"""Frame numbering, encoding and splitting to the server's max_payload.
+
+Invariant: every published frame is at most `max_payload` bytes, and `seq` counts 0,1,2… over the
+request's published frames, so a client sees gaps and reordering. A frame too big is split by
+position (its per-position lists are cut together, so alignment is kept); only the last piece
+keeps the finish reason, usage and error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from msgspec import UNSET
+
+from messages.codec import Codec
+from messages.frames import ResponseFrame
+
+Publish = Callable[[bytes], Awaitable[None]]
+
+
+class FrameTooLarge(RuntimeError):
+    """A single position does not fit in max_payload (the server's limit is absurdly small)."""
+
+
+def split_frame(frame: ResponseFrame) -> tuple[ResponseFrame, ResponseFrame]:
+    """Two frames covering the same positions, in order; the second keeps the ending."""
+    replace = msgspec.structs.replace
+    if frame.prompt_log_probs is not UNSET:
+        count = len(frame.prompt_log_probs)
+        if count < 2:
+            raise FrameTooLarge("one prompt position exceeds max_payload")
+        half = count // 2
+        start = frame.prompt_position if frame.prompt_position is not UNSET else 0
+        top = frame.prompt_top_logprobs
+        head = replace(
+            frame,
+            prompt_log_probs=frame.prompt_log_probs[:half],
+            prompt_top_logprobs=top[:half] if top is not UNSET else UNSET,
+            finish_reason=None,
+            completion_usage=UNSET,
+            error=UNSET,
+        )
+        tail = replace(
+            frame,
+            prompt_position=start + half,
+            prompt_log_probs=frame.prompt_log_probs[half:],
+            prompt_top_logprobs=top[half:] if top is not UNSET else UNSET,
+        )
+        return head, tail
+    count = len(frame.token_ids)
+    if count < 2:
+        raise FrameTooLarge("one generated position exceeds max_payload")
+    half = count // 2
+    lps, top = frame.log_probs, frame.top_logprobs
+    head = replace(
+        frame,
+        token_ids=frame.token_ids[:half],
+        log_probs=lps[:half] if lps is not UNSET else UNSET,
+        top_logprobs=top[:half] if top is not UNSET else UNSET,
+        finish_reason=None,
+        completion_usage=UNSET,
+        error=UNSET,
+    )
+    tail = replace(
+        frame,
+        token_ids=frame.token_ids[half:],
+        log_probs=lps[half:] if lps is not UNSET else UNSET,
+        top_logprobs=top[half:] if top is not UNSET else UNSET,
+    )
+    return head, tail
+
+
+class FrameWriter:
+    """Publishes one request's frames to its reply subject."""
+
+    def __init__(self, codec: Codec, max_payload: int, publish: Publish) -> None:
+        self.codec = codec
+        self.max_payload = max_payload
+        self._publish = publish
+        self.next_seq = 0
+        self.frames_sent = 0
+
+    def encode(self, frame: ResponseFrame) -> list[bytes]:
+        """Encoded pieces of `frame`, numbered from next_seq (which it advances)."""
+        frame.seq = self.next_seq
+        data = self.codec.encode(frame)
+        if len(data) <= self.max_payload:
+            self.next_seq += 1
+            return [data]
+        head, tail = split_frame(frame)
+        return self.encode(head) + self.encode(tail)
+
+    async def send(self, frame: ResponseFrame) -> None:
+        for data in self.encode(frame):
+            await self._publish(data)
+            self.frames_sent += 1

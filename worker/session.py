@@ -1,0 +1,139 @@
+"""One request's life: engine steps → frames, final frames per choice, errors as frames.
+
+Invariants the session owns:
+- prompt logprob frames (if asked) come before the first generated token's frame;
+- each choice ends with exactly one frame whose finish_reason is set, carrying completion_usage;
+- an error ends the request with exactly one frame (finish_reason "error", `error` set), after which
+  nothing more is sent for any choice: clients stop on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from messages.frames import ErrorCode, ErrorInfo, ResponseFrame, Usage
+from messages.request import GenerateRequest
+from worker.engine_api import Engine, EngineDead, EngineFailure, InvalidRequest
+from worker.framing import FrameTooLarge, FrameWriter
+from worker.logprobs import AlignmentError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    """What happened to one request: for the log line and metrics."""
+
+    request_id: str
+    finish_reasons: list[str | None]
+    completion_tokens: int = 0
+    error_code: ErrorCode | None = None
+    error_message: str = ""
+    first_token_s: float | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def label(self) -> str:
+        if self.error_code is not None:
+            return self.error_code
+        return ",".join(str(reason) for reason in self.finish_reasons)
+
+
+async def send_error(
+    writer: FrameWriter, request_id: str, code: ErrorCode, message: str, index: int = 0
+) -> None:
+    await writer.send(
+        ResponseFrame(
+            request_id=request_id,
+            seq=0,
+            index=index,
+            finish_reason="error",
+            error=ErrorInfo(code=code, message=message),
+        )
+    )
+
+
+class RequestSession:
+    def __init__(
+        self, request: GenerateRequest, engine: Engine, writer: FrameWriter, engine_request_id: str
+    ) -> None:
+        self.request = request
+        self.engine = engine
+        self.writer = writer
+        self.engine_request_id = engine_request_id
+        n = request.sampling_options.n
+        self.outcome = Outcome(request.request_id, [None] * n)
+        self._generated = [0] * n
+
+    async def run(self) -> Outcome:
+        """Serves the request to its end. Re-raises EngineDead after answering the client."""
+        request = self.request
+        try:
+            await self._stream()
+            open_choices = [i for i, r in enumerate(self.outcome.finish_reasons) if r is None]
+            if open_choices:
+                raise EngineFailure(f"engine stream ended with choices {open_choices} unfinished")
+        except InvalidRequest as error:
+            await self._fail("invalid_request", str(error))
+        except EngineDead as error:
+            await self._fail("engine_error", str(error))
+            raise
+        except (EngineFailure, AlignmentError, FrameTooLarge) as error:
+            await self._fail("engine_error", str(error))
+        except Exception as error:  # a bug must not leave the client waiting
+            log.exception("request %s failed", request.request_id)
+            await self._fail("internal_error", f"{type(error).__name__}: {error}")
+        return self.outcome
+
+    async def _stream(self) -> None:
+        request = self.request
+        request_id = request.request_id
+        prompt_tokens = len(request.token_ids)
+        want_logprobs = request.output_options.logprobs is not None
+        send = self.writer.send
+        async for step in self.engine.generate(request, self.engine_request_id):
+            if step.prompt is not None:
+                await send(
+                    ResponseFrame(
+                        request_id=request_id,
+                        seq=0,
+                        prompt_position=0,
+                        prompt_log_probs=step.prompt.log_probs,
+                        prompt_top_logprobs=step.prompt.top_logprobs,
+                    )
+                )
+            for choice in step.choices:
+                if choice.token_ids and self.outcome.first_token_s is None:
+                    self.outcome.first_token_s = time.monotonic() - self.outcome.started
+                self._generated[choice.index] += len(choice.token_ids)
+                frame = ResponseFrame(
+                    request_id=request_id, seq=0, index=choice.index, token_ids=choice.token_ids
+                )
+                if want_logprobs:
+                    frame.log_probs = choice.log_probs or []  # type: ignore[assignment]
+                    frame.top_logprobs = choice.top_logprobs or []  # type: ignore[assignment]
+                if choice.finish_reason is not None:
+                    generated = self._generated[choice.index]
+                    frame.finish_reason = choice.finish_reason
+                    frame.completion_usage = Usage(
+                        prompt_tokens, generated, prompt_tokens + generated
+                    )
+                    if choice.finish_reason == "error":
+                        frame.error = ErrorInfo("engine_error", "the engine ended this choice")
+                    self.outcome.finish_reasons[choice.index] = choice.finish_reason
+                await send(frame)
+        self.outcome.completion_tokens = sum(self._generated)
+
+    async def _fail(self, code: ErrorCode, message: str) -> None:
+        self.outcome.error_code = code
+        self.outcome.error_message = message
+        self.outcome.completion_tokens = sum(self._generated)
+        try:
+            await send_error(self.writer, self.request.request_id, code, message)
+        except Exception:
+            log.exception("could not send the error frame of %s", self.request.request_id)
+
+
+__all__ = ["Outcome", "RequestSession", "send_error"]

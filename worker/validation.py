@@ -1,0 +1,80 @@
+"""Rules a decoded request must meet against the running engine's limits.
+
+Type and sign rules are already enforced by the msgspec decoder (messages/request.py); these need
+the engine. Each violation raises InvalidRequest naming the field and the rule, before anything
+reaches the engine, so a bad request never costs engine time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from messages.request import GenerateRequest
+from worker.engine_api import EngineLimits, InvalidRequest
+
+
+def _check_vocab(field: str, token_ids: Iterable[int], vocab_size: int) -> None:
+    for position, token_id in enumerate(token_ids):
+        if token_id >= vocab_size:
+            raise InvalidRequest(
+                f"{field}[{position}]",
+                f"token id {token_id} is outside the vocabulary (must be < {vocab_size})",
+            )
+
+
+def max_new_tokens(request: GenerateRequest, limits: EngineLimits) -> int:
+    """The request's max_tokens, or what the context has room for when it gives none."""
+    room = limits.max_model_len - len(request.token_ids)
+    return request.stop_conditions.max_tokens or room
+
+
+def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
+    sampling = request.sampling_options
+    stop = request.stop_conditions
+    output = request.output_options
+
+    if sampling.n > limits.max_n:
+        raise InvalidRequest("sampling_options.n", f"must be <= {limits.max_n}, got {sampling.n}")
+    if sampling.use_beam_search:
+        raise InvalidRequest("sampling_options.use_beam_search", "beam search is not supported")
+    if sampling.guided_decoding is not None:
+        raise InvalidRequest("sampling_options.guided_decoding", "guided decoding is not supported")
+    if stop.stop:
+        raise InvalidRequest(
+            "stop_conditions.stop",
+            "stop strings are not supported: the frontend applies them, or send stop_token_ids",
+        )
+    for field, k in (
+        ("output_options.logprobs", output.logprobs),
+        ("output_options.prompt_logprobs", output.prompt_logprobs),
+    ):
+        if k is not None and k > limits.max_logprobs:
+            raise InvalidRequest(
+                field, f"must be <= {limits.max_logprobs} (the engine's max_logprobs), got {k}"
+            )
+
+    _check_vocab("token_ids", request.token_ids, limits.vocab_size)
+    _check_vocab("eos_token_ids", request.eos_token_ids, limits.vocab_size)
+    _check_vocab("stop_conditions.stop_token_ids", stop.stop_token_ids or (), limits.vocab_size)
+    _check_vocab(
+        "stop_conditions.stop_token_ids_hidden", stop.stop_token_ids_hidden or (), limits.vocab_size
+    )
+
+    prompt_len = len(request.token_ids)
+    if prompt_len >= limits.max_model_len:
+        raise InvalidRequest(
+            "token_ids",
+            f"prompt of {prompt_len} tokens leaves no room to generate: "
+            f"must be < max_model_len {limits.max_model_len}",
+        )
+    if stop.max_tokens is not None and prompt_len + stop.max_tokens > limits.max_model_len:
+        raise InvalidRequest(
+            "stop_conditions.max_tokens",
+            f"prompt ({prompt_len}) + max_tokens ({stop.max_tokens}) must be <= "
+            f"max_model_len {limits.max_model_len}",
+        )
+    if stop.min_tokens is not None and stop.min_tokens > max_new_tokens(request, limits):
+        raise InvalidRequest(
+            "stop_conditions.min_tokens",
+            f"must be <= max_tokens ({max_new_tokens(request, limits)}), got {stop.min_tokens}",
+        )
