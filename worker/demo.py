@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 import nats
@@ -25,7 +26,7 @@ TOP_K = 3
 
 
 def _show(token: str, raw: bytes) -> str:
-    return f"{token!r:<12} {raw.hex(' '):<12}"
+    return f"{token!r:<16} {raw.hex(' '):<24}"
 
 
 async def run_demo() -> int:
@@ -58,7 +59,7 @@ async def run_demo() -> int:
             print(
                 f"request on {config.subjects.generate}: greedy, max_tokens 16, logprobs {TOP_K}\n"
             )
-            print(f"{'seq':>3} {'id':>5} {'token':<12} {'bytes':<12} {'logprob':>9}   top {TOP_K}")
+            print(f"{'seq':>3} {'id':>5} {'token':<16} {'bytes':<24} {'logprob':>9}   top {TOP_K}")
             final = None
             async for frame in generate(client, request, subject=config.subjects.generate):
                 rows = frame.top_logprobs or [[] for _ in frame.token_ids]
@@ -86,6 +87,8 @@ async def run_demo() -> int:
 
 
 def main() -> None:
+    # vLLM's per-step INFO lines would drown the table; our own log says what loads when.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -31,7 +31,8 @@ async def connect(config: NatsConfig) -> NATS:
         log.warning("nats: %s", error)
 
     async def on_disconnected() -> None:
-        log.warning("nats: disconnected")
+        if not nc.is_closed:
+            log.warning("nats: disconnected")
 
     async def on_reconnected() -> None:
         log.info("nats: reconnected to %s", nc.connected_url.netloc if nc.connected_url else "?")

@@ -98,8 +98,16 @@ class VllmEngine:
             max_n=max_n,
         )
         table = TokenTable.from_tokenizer(tokenizer, vocab_size)
+        engine = cls(llm, table, limits)
+        await engine._warm_up()
         log.info("engine ready: %s", limits)
-        return cls(llm, table, limits)
+        return engine
+
+    async def _warm_up(self) -> None:
+        """One tiny generation, so the engine's one-off first-step cost is not a client's TTFT."""
+        params = SamplingParams(max_tokens=2, logprobs=1, flat_logprobs=True, detokenize=False)
+        async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0]), params, "warm-up"):
+            pass
 
     @property
     def llm(self) -> AsyncLLM:
@@ -205,6 +213,9 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self._llm.shutdown()
+        # Let the AsyncLLM be collected now: if it lives until interpreter exit, its __del__
+        # shuts down again with vLLM's module globals already torn down (a noisy TypeError).
+        self._llm = None  # type: ignore[assignment]
 
 
 def _finish_reason(output: CompletionOutput, eos_ids: frozenset[int]) -> FinishReason | None:

@@ -1,0 +1,67 @@
+"""Session fixtures: one real nats-server, one tiny model, one real vLLM engine, one worker.
+
+Engine start costs 25-60 s here, so the whole session shares one engine and one in-process
+worker on a real nats-server (JetStream on, its own temp dir, a free loopback port).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from messages.subjects import Subjects
+from worker.config import NatsConfig, WorkerConfig
+from worker.embedded import NatsServer
+from worker.tiny_model import cpu_env_defaults, ensure_tiny_model, tiny_engine_args
+
+cpu_env_defaults()
+
+# Small on purpose: large prompt-logprob answers must be split to fit (the default is 1 MiB).
+TEST_MAX_PAYLOAD = 32 * 1024
+TEST_SUBJECTS = Subjects(namespace="test", component="vllm", endpoint="generate")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[NatsServer]:
+    server = NatsServer(max_payload=TEST_MAX_PAYLOAD).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+async def engine(tiny_model: Path):  # -> VllmEngine
+    from worker.vllm_engine import VllmEngine
+
+    engine = await VllmEngine.start(tiny_engine_args(tiny_model))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def worker(engine, nats_server: NatsServer):  # -> Worker
+    from worker.service import Worker
+    from worker.transport import connect
+
+    config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=TEST_SUBJECTS)
+    nc = await connect(config.nats)
+    service = Worker(engine, nc, config)
+    await service.start()
+    yield service
+    await service.stop()
+    await nc.close()
+
+
+@pytest.fixture(scope="session")
+async def client(nats_server: NatsServer) -> AsyncIterator[NATS]:
+    nc = await nats.connect(nats_server.url)
+    yield nc
+    await nc.close()
