@@ -42,3 +42,11 @@ class WorkerConfig:
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Also served on `<generate subject>.<instance_id>`, for routing to this worker."""
     max_n: int = 16
+    max_concurrency: int | None = None
+    """Requests served at once; above it a request gets an immediate retryable `overloaded`
+    error frame (so the publisher can retry another worker). None: unlimited."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM/SIGINT: how long in-flight requests may still run before they are ended with
+    a retryable `worker_shutdown` error frame."""
+    health_interval_s: float = 5.0
+    """How often the engine's health is checked; a dead engine ends the worker non-zero."""

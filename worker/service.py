@@ -1,7 +1,8 @@
 """Composition root: the only module that knows both NATS and the engine.
 
-message → codec by Content-Type → decode (errors become an error frame) → one task per request
-running a RequestSession → frames to the message's reply subject.
+message → codec by Content-Type → decode (errors become an error frame) → admission
+(max_concurrency) → one task per request running a RequestSession → frames to the message's
+reply subject. The generate subjects are NATS micro endpoints (see worker/discovery.py).
 """
 
 from __future__ import annotations
@@ -13,26 +14,25 @@ import uuid
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.micro.request import Request
+from nats.micro.service import Service
 
 from messages.codec import Codec, codec_for
-from messages.request import GenerateRequest
+from worker import discovery
 from worker.config import WorkerConfig
 from worker.engine_api import Engine, EngineDead
 from worker.framing import FrameWriter
+from worker.metrics import WorkerMetrics
 from worker.session import Outcome, RequestSession, send_error
-from worker.transport import reply_publisher
 
 log = logging.getLogger(__name__)
 
 
 def _salvage_request_id(codec: Codec, data: bytes) -> str:
     """The request_id of a payload that failed validation, if it has a readable one."""
+    decode = msgspec.json.decode if codec.content_type.endswith("json") else msgspec.msgpack.decode
     try:
-        decoded = (
-            msgspec.json.decode if codec.content_type.endswith("json") else msgspec.msgpack.decode
-        )(data)
+        decoded = decode(data)
     except Exception:
         return ""
     if isinstance(decoded, dict) and isinstance(decoded.get("request_id"), str):
@@ -41,70 +41,140 @@ def _salvage_request_id(codec: Codec, data: bytes) -> str:
 
 
 class Worker:
-    def __init__(self, engine: Engine, nc: NATS, config: WorkerConfig) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        nc: NATS,
+        config: WorkerConfig,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self.engine = engine
         self.nc = nc
         self.config = config
-        self._subscriptions: list[Subscription] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics = metrics
+        self.service: Service | None = None
+        self._stats: discovery.EndpointStatsRecorder | None = None
+        self._sessions: dict[asyncio.Task[None], RequestSession] = {}
+        self._draining = False
         self.engine_dead = asyncio.Event()
         self.served = 0
 
     @property
     def in_flight(self) -> int:
-        return len(self._tasks)
+        return len(self._sessions)
 
     async def start(self) -> None:
+        self.service = await discovery.register(
+            self.nc, self.config, self.engine.limits, self.handle, self._stats_data
+        )
+        self._stats = discovery.EndpointStatsRecorder(self.service)
         subjects = self.config.subjects
-        self._subscriptions.append(
-            await self.nc.subscribe(
-                subjects.generate, queue=self.config.queue_group, cb=self._on_message
-            )
-        )
-        self._subscriptions.append(
-            await self.nc.subscribe(subjects.instance(self.config.instance_id), cb=self._on_message)
-        )
-        await self.nc.flush()
         log.info(
-            "serving %s (queue group %s) and %s",
+            "serving %s (queue group %s) and %s as micro service %s id %s",
             subjects.generate,
             self.config.queue_group,
             subjects.instance(self.config.instance_id),
+            discovery.SERVICE_NAME,
+            self.service.id,
         )
 
-    async def _on_message(self, msg: Msg) -> None:
-        # nats-py runs a subscription's callbacks one after another: decode and hand off quickly.
-        if not msg.reply:
+    def _stats_data(self) -> dict[str, object]:
+        return {
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "engine_unfinished_requests": self.engine.num_unfinished_requests(),
+        }
+
+    async def handle(self, request: Request) -> None:
+        """The micro endpoint handler. nats-py runs one subscription's handlers one after another,
+        so this only validates and hands off; the stream runs in its own task."""
+        arrived = time.monotonic_ns()
+        reply = discovery.reply_subject(request)
+        if not reply:
             log.warning(
                 "refused a request on %s without a reply subject (%d bytes)",
-                msg.subject,
-                len(msg.data),
+                request.subject,
+                len(request.data),
+            )
+            self._record(request.subject, arrived, "no reply subject")
+            return
+        codec = codec_for(request.headers)
+        writer = FrameWriter(codec, self.nc.max_payload, request.respond)
+        try:
+            decoded = codec.decode_request(request.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            request_id = _salvage_request_id(codec, request.data)
+            await self._refuse(
+                writer, request, arrived, request_id, "invalid_request", f"invalid payload: {error}"
             )
             return
-        codec = codec_for(msg.headers)
-        writer = FrameWriter(codec, self.nc.max_payload, reply_publisher(self.nc, msg.reply))
-        try:
-            request = codec.decode_request(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            request_id = _salvage_request_id(codec, msg.data)
-            log.info("request %r invalid: %s", request_id, error)
-            await send_error(writer, request_id, "invalid_request", f"invalid payload: {error}")
+        if self._draining:
+            await self._refuse(
+                writer,
+                request,
+                arrived,
+                decoded.request_id,
+                "worker_shutdown",
+                "worker is shutting down: retry on another worker",
+            )
             return
-        task = asyncio.create_task(self._serve(request, writer))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        limit = self.config.max_concurrency
+        if limit is not None and self.in_flight >= limit:
+            await self._refuse(
+                writer,
+                request,
+                arrived,
+                decoded.request_id,
+                "overloaded",
+                f"worker at max_concurrency {limit}: retry on another worker",
+            )
+            return
+        engine_request_id = f"{decoded.request_id}-{uuid.uuid4().hex[:12]}"
+        session = RequestSession(decoded, self.engine, writer, engine_request_id, self.metrics)
+        task = asyncio.create_task(self._serve(session, request.subject, arrived))
+        self._sessions[task] = session
+        task.add_done_callback(self._sessions.pop)
 
-    async def _serve(self, request: GenerateRequest, writer: FrameWriter) -> None:
-        engine_request_id = f"{request.request_id}-{uuid.uuid4().hex[:12]}"
-        session = RequestSession(request, self.engine, writer, engine_request_id)
+    async def _refuse(
+        self,
+        writer: FrameWriter,
+        request: Request,
+        arrived: int,
+        request_id: str,
+        code,
+        message: str,
+    ) -> None:
+        log.info("request %r %s: %s", request_id, code, message)
+        await send_error(writer, request_id, code, message)
+        if self.metrics is not None:
+            self.metrics.error(code)
+            self.metrics.finished(code)
+        self._record(request.subject, arrived, f"{code}: {message}")
+
+    async def _serve(self, session: RequestSession, subject: str, arrived: int) -> None:
+        if self.metrics is not None:
+            self.metrics.in_flight.inc()
         try:
             outcome = await session.run()
         except EngineDead as error:
-            log.error("engine dead while serving %s: %s", request.request_id, error)
+            log.error("engine dead while serving %s: %s", session.request.request_id, error)
             self.engine_dead.set()
-            return
+            outcome = session.outcome
+        finally:
+            if self.metrics is not None:
+                self.metrics.in_flight.dec()
         self.served += 1
-        self._log_outcome(outcome, writer)
+        self._log_outcome(outcome, session.writer)
+        error = f"{outcome.error_code}: {outcome.error_message}" if outcome.error_code else None
+        self._record(subject, arrived, error)
+        if self.metrics is not None:
+            self.metrics.finished(outcome.label)
+            if outcome.error_code is not None:
+                self.metrics.error(outcome.error_code)
+
+    def _record(self, subject: str, arrived: int, error: str | None) -> None:
+        if self._stats is not None:
+            self._stats.record(subject, time.monotonic_ns() - arrived, error)
 
     def _log_outcome(self, outcome: Outcome, writer: FrameWriter) -> None:
         elapsed = time.monotonic() - outcome.started
@@ -120,13 +190,38 @@ class Worker:
             f" error={outcome.error_message!r}" if outcome.error_code else "",
         )
 
-    async def stop(self) -> None:
-        for subscription in self._subscriptions:
+    async def watch_engine(self) -> None:
+        """Background health check; a failed one marks the engine dead (the worker then exits)."""
+        while not self.engine_dead.is_set():
+            await asyncio.sleep(self.config.health_interval_s)
             try:
-                await subscription.unsubscribe()
-            except Exception:  # connection already closed
-                pass
-        self._subscriptions.clear()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+                await self.engine.check_health()
+            except EngineDead as error:
+                log.error("engine health check failed: %s", error)
+                self.engine_dead.set()
+
+    def interrupt_all(self, code, message: str) -> list[asyncio.Task[None]]:
+        tasks = list(self._sessions)
+        for task in tasks:
+            self._sessions[task].interrupt(task, code, message)
+        return tasks
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests; let in-flight ones finish for up to `timeout_s`; end the rest
+        with a retryable `worker_shutdown` error frame (their engine requests are aborted)."""
+        self._draining = True
+        if self.service is not None:
+            await self.service.stop()
+        pending = set(self._sessions)
+        if pending and timeout_s > 0:
+            log.info("draining %d in-flight requests (up to %.1fs)", len(pending), timeout_s)
+            _, pending = await asyncio.wait(pending, timeout=timeout_s)
+        if pending:
+            log.warning("ending %d requests still running after the drain timeout", len(pending))
+            tasks = self.interrupt_all(
+                "worker_shutdown", "worker shut down before this request finished: retry"
+            )
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        await self.drain(0.0)

@@ -4,11 +4,14 @@ Invariants the session owns:
 - prompt logprob frames (if asked) come before the first generated token's frame;
 - each choice ends with exactly one frame whose finish_reason is set, carrying completion_usage;
 - an error ends the request with exactly one frame (finish_reason "error", `error` set), after which
-  nothing more is sent for any choice: clients stop on it.
+  nothing more is sent for any choice: clients stop on it;
+- when the session's task is interrupted (drain), the engine request is aborted (vLLM aborts when
+  its stream is closed) and the client gets the interrupt's error frame.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,13 +21,14 @@ from messages.request import GenerateRequest
 from worker.engine_api import Engine, EngineDead, EngineFailure, InvalidRequest
 from worker.framing import FrameTooLarge, FrameWriter
 from worker.logprobs import AlignmentError
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Outcome:
-    """What happened to one request: for the log line and metrics."""
+    """What happened to one request: for the log line, metrics and service stats."""
 
     request_id: str
     finish_reasons: list[str | None]
@@ -57,24 +61,40 @@ async def send_error(
 
 class RequestSession:
     def __init__(
-        self, request: GenerateRequest, engine: Engine, writer: FrameWriter, engine_request_id: str
+        self,
+        request: GenerateRequest,
+        engine: Engine,
+        writer: FrameWriter,
+        engine_request_id: str,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.request = request
         self.engine = engine
         self.writer = writer
         self.engine_request_id = engine_request_id
+        self.metrics = metrics
         n = request.sampling_options.n
         self.outcome = Outcome(request.request_id, [None] * n)
         self._generated = [0] * n
+        self._last_token_at: list[float | None] = [None] * n
+        self._interrupt: tuple[ErrorCode, str] | None = None
+
+    def interrupt(self, task: asyncio.Task[object], code: ErrorCode, message: str) -> None:
+        """Ends the session early (its task is cancelled); the client gets this error frame."""
+        self._interrupt = (code, message)
+        task.cancel()
 
     async def run(self) -> Outcome:
         """Serves the request to its end. Re-raises EngineDead after answering the client."""
-        request = self.request
         try:
             await self._stream()
             open_choices = [i for i, r in enumerate(self.outcome.finish_reasons) if r is None]
             if open_choices:
                 raise EngineFailure(f"engine stream ended with choices {open_choices} unfinished")
+        except asyncio.CancelledError:
+            if self._interrupt is None:
+                raise
+            await self._fail(*self._interrupt)
         except InvalidRequest as error:
             await self._fail("invalid_request", str(error))
         except EngineDead as error:
@@ -83,8 +103,10 @@ class RequestSession:
         except (EngineFailure, AlignmentError, FrameTooLarge) as error:
             await self._fail("engine_error", str(error))
         except Exception as error:  # a bug must not leave the client waiting
-            log.exception("request %s failed", request.request_id)
+            log.exception("request %s failed", self.request.request_id)
             await self._fail("internal_error", f"{type(error).__name__}: {error}")
+        finally:
+            self.outcome.completion_tokens = sum(self._generated)
         return self.outcome
 
     async def _stream(self) -> None:
@@ -105,14 +127,13 @@ class RequestSession:
                     )
                 )
             for choice in step.choices:
-                if choice.token_ids and self.outcome.first_token_s is None:
-                    self.outcome.first_token_s = time.monotonic() - self.outcome.started
-                self._generated[choice.index] += len(choice.token_ids)
+                if choice.token_ids:
+                    self._count_tokens(choice.index, len(choice.token_ids))
                 frame = ResponseFrame(
                     request_id=request_id, seq=0, index=choice.index, token_ids=choice.token_ids
                 )
                 if want_logprobs:
-                    frame.log_probs = choice.log_probs or []  # type: ignore[assignment]
+                    frame.log_probs = choice.log_probs or []
                     frame.top_logprobs = choice.top_logprobs or []  # type: ignore[assignment]
                 if choice.finish_reason is not None:
                     generated = self._generated[choice.index]
@@ -124,16 +145,23 @@ class RequestSession:
                         frame.error = ErrorInfo("engine_error", "the engine ended this choice")
                     self.outcome.finish_reasons[choice.index] = choice.finish_reason
                 await send(frame)
-        self.outcome.completion_tokens = sum(self._generated)
+
+    def _count_tokens(self, index: int, count: int) -> None:
+        now = time.monotonic()
+        self._generated[index] += count
+        if self.outcome.first_token_s is None:
+            self.outcome.first_token_s = now - self.outcome.started
+            if self.metrics is not None:
+                self.metrics.first_token(self.outcome.first_token_s)
+        last = self._last_token_at[index]
+        self._last_token_at[index] = now
+        if self.metrics is not None:
+            self.metrics.tokens(count, None if last is None else now - last)
 
     async def _fail(self, code: ErrorCode, message: str) -> None:
         self.outcome.error_code = code
         self.outcome.error_message = message
-        self.outcome.completion_tokens = sum(self._generated)
         try:
             await send_error(self.writer, self.request.request_id, code, message)
         except Exception:
             log.exception("could not send the error frame of %s", self.request.request_id)
-
-
-__all__ = ["Outcome", "RequestSession", "send_error"]

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from vllm import SamplingParams
+from vllm import __version__ as vllm_version
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -96,6 +97,7 @@ class VllmEngine:
             vocab_size=vocab_size,
             max_model_len=model_config.max_model_len,
             max_n=max_n,
+            engine=f"vllm {vllm_version}",
         )
         table = TokenTable.from_tokenizer(tokenizer, vocab_size)
         engine = cls(llm, table, limits)
