@@ -12,10 +12,12 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from prometheus_client import CollectorRegistry
 
 from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
 from worker.embedded import NatsServer
+from worker.metrics import WorkerMetrics
 from worker.tiny_model import cpu_env_defaults, ensure_tiny_model, tiny_engine_args
 
 cpu_env_defaults()
@@ -47,13 +49,18 @@ async def engine(tiny_model: Path):  # -> VllmEngine
 
 
 @pytest.fixture(scope="session")
-async def worker(engine, nats_server: NatsServer):  # -> Worker
+def worker_metrics() -> WorkerMetrics:
+    return WorkerMetrics(CollectorRegistry())
+
+
+@pytest.fixture(scope="session")
+async def worker(engine, nats_server: NatsServer, worker_metrics: WorkerMetrics):  # -> Worker
     from worker.service import Worker
     from worker.transport import connect
 
     config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=TEST_SUBJECTS)
     nc = await connect(config.nats)
-    service = Worker(engine, nc, config)
+    service = Worker(engine, nc, config, worker_metrics)
     await service.start()
     yield service
     await service.stop()
