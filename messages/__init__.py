@@ -15,6 +15,7 @@ from messages.frames import (
     Usage,
 )
 from messages.request import (
+    CancelRequest,
     GenerateRequest,
     OutputOptions,
     SamplingOptions,
@@ -26,6 +27,7 @@ __all__ = [
     "FINISH_REASONS",
     "JSON_CONTENT_TYPE",
     "MSGPACK_CONTENT_TYPE",
+    "CancelRequest",
     "Codec",
     "ErrorCode",
     "ErrorInfo",

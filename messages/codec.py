@@ -3,6 +3,10 @@
 One Encoder/Decoder per (format, type), made once: msgspec's are reusable and thread-safe.
 JSON note: JSON has no NaN or infinity, so a non-finite logprob (e.g. -inf) is written as `null`;
 msgpack keeps it as a float64. `bytes` fields are msgpack `bin` and base64 strings in JSON.
+
+A message with an empty body on a reply subject is not a frame: it is the worker's liveness probe
+(a NATS request whose "no responders" answer tells the worker that the client is gone). Readers
+skip empty messages.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 import msgspec
 
 from messages.frames import ResponseFrame
-from messages.request import GenerateRequest
+from messages.request import CancelRequest, GenerateRequest
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 JSON_CONTENT_TYPE = "application/json"
@@ -26,6 +30,7 @@ class Codec:
     _encoder: Any
     _request_decoder: Any
     _frame_decoder: Any
+    _cancel_decoder: Any
 
     def encode(self, obj: Any) -> bytes:
         return self._encoder.encode(obj)
@@ -37,18 +42,23 @@ class Codec:
     def decode_frame(self, data: bytes) -> ResponseFrame:
         return self._frame_decoder.decode(data)
 
+    def decode_cancel(self, data: bytes) -> CancelRequest:
+        return self._cancel_decoder.decode(data)
+
 
 MSGPACK = Codec(
     MSGPACK_CONTENT_TYPE,
     msgspec.msgpack.Encoder(),
     msgspec.msgpack.Decoder(GenerateRequest),
     msgspec.msgpack.Decoder(ResponseFrame),
+    msgspec.msgpack.Decoder(CancelRequest),
 )
 JSON = Codec(
     JSON_CONTENT_TYPE,
     msgspec.json.Encoder(),
     msgspec.json.Decoder(GenerateRequest),
     msgspec.json.Decoder(ResponseFrame),
+    msgspec.json.Decoder(CancelRequest),
 )
 
 

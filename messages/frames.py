@@ -24,12 +24,15 @@ FinishReason = Literal["eos", "length", "stop", "cancelled", "error"]
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 # Error codes a client can act on; the retryable ones may be retried on another worker.
+# `deadline_exceeded` and `client_gone` also say why a choice ended with "cancelled".
 ErrorCode = Literal[
     "invalid_request",
     "engine_error",
     "overloaded",
     "worker_shutdown",
     "internal_error",
+    "deadline_exceeded",
+    "client_gone",
 ]
 
 

@@ -70,3 +70,13 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Extra end-of-sequence ids (besides the model's own); hitting one ends with "eos".
     eos_token_ids: list[TokenId] = msgspec.field(default_factory=list)
     annotations: list[str] = msgspec.field(default_factory=list)
+    # Relative, from the worker's receipt (no clock skew between hosts): past it the request is
+    # aborted and each open choice ends with finish_reason "cancelled", error code
+    # "deadline_exceeded".
+    timeout_ms: PositiveInt | None = None
+
+
+class CancelRequest(msgspec.Struct, kw_only=True):
+    """Published on `Subjects.cancel` (every worker listens, no queue group)."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]

@@ -1,5 +1,6 @@
-"""Subject names: `<namespace>.<component>.<endpoint>` for the queue group, plus
-`<namespace>.<component>.<endpoint>.<instance_id>` for direct routing to one worker."""
+"""Subject names: `<namespace>.<component>.<endpoint>` for the queue group,
+`<namespace>.<component>.<endpoint>.<instance_id>` for direct routing to one worker, and
+`<namespace>.<component>.<endpoint>.cancel` (every worker, no queue group) for cancellation."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 # One subject token: no dots, spaces or wildcards, or the subject would mean something else.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+CANCEL_TOKEN = "cancel"
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,13 @@ class Subjects:
     def generate(self) -> str:
         return f"{self.namespace}.{self.component}.{self.endpoint}"
 
+    @property
+    def cancel(self) -> str:
+        return f"{self.generate}.{CANCEL_TOKEN}"
+
     def instance(self, instance_id: str) -> str:
-        if not _TOKEN.match(instance_id):
-            raise ValueError(f"instance_id {instance_id!r} must be one NATS subject token")
+        if not _TOKEN.match(instance_id) or instance_id == CANCEL_TOKEN:
+            raise ValueError(
+                f"instance_id {instance_id!r} must be one NATS subject token, not {CANCEL_TOKEN!r}"
+            )
         return f"{self.generate}.{instance_id}"

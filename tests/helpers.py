@@ -54,6 +54,8 @@ async def exchange(
         await nc.publish(subject, payload, reply=inbox, headers=headers)
         while len(finished) < choices:
             msg = await subscription.next_msg(timeout=timeout)
+            if not msg.data:
+                continue  # liveness probe
             raw.append(msg.data)
             frame = decode(msg.data)
             if frame["finish_reason"] == "error":

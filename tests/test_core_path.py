@@ -230,6 +230,8 @@ async def _stream_raw(client, request):
     try:
         while True:
             msg = await subscription.next_msg(timeout=60)
+            if not msg.data:
+                continue  # liveness probe
             yield msg.data
             if msgspec.msgpack.decode(msg.data)["finish_reason"] is not None:
                 return

@@ -121,6 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-n", type=int, default=16, help="largest n (choices) accepted (default: 16)"
     )
     nats.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens a request may ask (default: the model's context length)",
+    )
+    nats.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1024 * 1024,
+        help="larger request payloads are refused (default: 1 MiB)",
+    )
+    nats.add_argument(
+        "--liveness-interval",
+        type=float,
+        default=2.0,
+        help="seconds between probes of each in-flight request's reply subject; a client gone is "
+        "noticed within this + one round trip and its request aborted (default: 2)",
+    )
+    nats.add_argument(
         "--health-interval",
         type=float,
         default=5.0,
@@ -161,6 +180,9 @@ def worker_config(args: argparse.Namespace, nats_url: str) -> WorkerConfig:
         subjects=Subjects(args.namespace, args.component, args.endpoint),
         queue_group=args.queue_group,
         max_n=args.max_n,
+        max_tokens_limit=args.max_tokens_limit,
+        max_request_bytes=args.max_request_bytes,
+        liveness_interval_s=args.liveness_interval,
         max_concurrency=args.max_concurrency,
         drain_timeout_s=args.drain_timeout,
         health_interval_s=args.health_interval,
@@ -218,7 +240,7 @@ async def serve(
         print(f"embedded nats-server on {nats_url} (connect with NATS_URL={nats_url})", flush=True)
     try:
         config = worker_config(args, nats_url)
-        engine = await VllmEngine.start(engine_args(args), max_n=config.max_n)
+        engine = await VllmEngine.start(engine_args(args))
         try:
             return await _run(args, config, engine, on_ready, stop)
         finally:

@@ -2,7 +2,9 @@
 
 Needs only nats-py and `messages` (no vllm or torch). It subscribes to its own inbox before
 publishing (so no frame can be missed), checks `seq` order, enforces a per-frame timeout, and
-stops at the request's end: every choice finished, or one error frame.
+stops at the request's end: every choice finished, or one error frame. A caller that stops
+iterating early (break, cancellation, an exception) cancels the request on the workers, so the
+engine is freed at once. Empty messages are the worker's liveness probes and are skipped.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from nats.aio.client import Client as NATS
 
 from messages.codec import JSON, MSGPACK, Codec
 from messages.frames import ResponseFrame, TopLogprob, Usage
-from messages.request import GenerateRequest
-from messages.subjects import Subjects
+from messages.request import CancelRequest, GenerateRequest
+from messages.subjects import CANCEL_TOKEN, Subjects
 
 
 class FrameOrderError(RuntimeError):
@@ -37,29 +39,45 @@ async def stream_frames(
     codec: Codec = MSGPACK,
     choices: int = 1,
     timeout: float = 60.0,
+    request_id: str | None = None,
+    cancel_subject: str | None = None,
 ) -> AsyncIterator[ResponseFrame]:
-    """Frames of one request, in order, until all `choices` finished or an error frame."""
+    """Frames of one request, in order, until all `choices` finished or an error frame.
+
+    With `request_id` and `cancel_subject`, leaving early publishes a cancel for the request.
+    """
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
     headers = {"Content-Type": codec.content_type} if codec is JSON else None
+    ended = False
     try:
         await nc.publish(subject, payload, reply=inbox, headers=headers)
         expected_seq = 0
         finished: set[int] = set()
         while True:
             msg = await subscription.next_msg(timeout=timeout)
+            if not msg.data:
+                continue  # the worker's liveness probe
             frame = codec.decode_frame(msg.data)
             if frame.seq != expected_seq:
                 raise FrameOrderError(f"expected seq {expected_seq}, got {frame.seq}")
             expected_seq += 1
-            yield frame
             if frame.finish_reason == "error":
-                return
-            if frame.finish_reason is not None:
+                ended = True
+            elif frame.finish_reason is not None:
                 finished.add(frame.index)
-                if len(finished) >= choices:
-                    return
+                ended = len(finished) >= choices
+            yield frame
+            if ended:
+                return
     finally:
+        if not ended and request_id is not None and cancel_subject is not None:
+            try:
+                await nc.publish(
+                    cancel_subject, MSGPACK.encode(CancelRequest(request_id=request_id))
+                )
+            except Exception:  # connection gone: the worker's liveness probe notices instead
+                pass
         await subscription.unsubscribe()
 
 
@@ -117,16 +135,29 @@ async def generate(
     codec: Codec = MSGPACK,
     timeout: float = 60.0,
 ) -> AsyncIterator[ResponseFrame]:
-    """`async for frame in generate(nc, request)`: the request's frames as they stream."""
+    """`async for frame in generate(nc, request)`: the request's frames as they stream.
+
+    `subject` is the generate subject (or an instance subject under it); cancels go to the
+    cancel subject of the same namespace/component/endpoint.
+    """
+    subject = subject or Subjects().generate
     async for frame in stream_frames(
         nc,
-        subject or Subjects().generate,
+        subject,
         codec.encode(request),
         codec=codec,
         choices=request.sampling_options.n,
         timeout=timeout,
+        request_id=request.request_id,
+        cancel_subject=cancel_subject_for(subject),
     ):
         yield frame
+
+
+def cancel_subject_for(subject: str) -> str:
+    """`a.b.c` or the instance subject `a.b.c.<id>` → `a.b.c.cancel`."""
+    tokens = subject.split(".")
+    return Subjects(*tokens[:3]).cancel if len(tokens) >= 3 else f"{subject}.{CANCEL_TOKEN}"
 
 
 async def complete(

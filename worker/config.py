@@ -48,5 +48,14 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     """On SIGTERM/SIGINT: how long in-flight requests may still run before they are ended with
     a retryable `worker_shutdown` error frame."""
+    liveness_interval_s: float = 2.0
+    """How often each in-flight request's reply subject is probed (an empty NATS request). A
+    "no responders" answer means the client is gone: the request is aborted. So an abandoned
+    stream is noticed within liveness_interval_s + one round trip."""
+    liveness_timeout_s: float = 1.0
+    max_request_bytes: int = 1024 * 1024
+    """Larger payloads are refused with invalid_request (the server's max_payload also caps)."""
+    max_tokens_limit: int | None = None
+    """Operator cap on stop_conditions.max_tokens (None: the model's context length)."""
     health_interval_s: float = 5.0
     """How often the engine's health is checked; a dead engine ends the worker non-zero."""

@@ -81,6 +81,13 @@ class NatsServer:
         self.stop()
         raise TimeoutError(f"nats-server not ready in {timeout}s")
 
+    def kill(self) -> None:
+        """SIGKILL (a crash): keeps the port and the store, so `start()` brings it back."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()

@@ -41,6 +41,8 @@ class EngineLimits:
     vocab_size: int
     max_model_len: int
     max_n: int = 16
+    max_tokens_limit: int | None = None
+    """Operator cap on max_tokens, on top of the context length."""
     engine: str = ""
     """Engine name and version, e.g. "vllm 0.32.0"."""
 

@@ -8,22 +8,28 @@ reply subject. The generate subjects are NATS micro endpoints (see worker/discov
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 from nats.micro.service import Service
 
 from messages.codec import Codec, codec_for
 from worker import discovery
 from worker.config import WorkerConfig
-from worker.engine_api import Engine, EngineDead
+from worker.engine_api import Engine, EngineDead, InvalidRequest
 from worker.framing import FrameWriter
 from worker.metrics import WorkerMetrics
 from worker.session import Outcome, RequestSession, send_error
+from worker.validation import admit
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,16 @@ def _salvage_request_id(codec: Codec, data: bytes) -> str:
     return ""
 
 
+@dataclass
+class InFlight:
+    """A request being served: its session, task, and where its frames go."""
+
+    session: RequestSession
+    task: asyncio.Task[None]
+    reply: str
+    deadline: asyncio.TimerHandle | None = None
+
+
 class Worker:
     def __init__(
         self,
@@ -51,24 +67,33 @@ class Worker:
         self.engine = engine
         self.nc = nc
         self.config = config
+        # The engine's limits plus the operator's caps: what every request is checked against.
+        self.limits = dataclasses.replace(
+            engine.limits, max_n=config.max_n, max_tokens_limit=config.max_tokens_limit
+        )
         self.metrics = metrics
         self.service: Service | None = None
         self._stats: discovery.EndpointStatsRecorder | None = None
-        self._sessions: dict[asyncio.Task[None], RequestSession] = {}
+        self._in_flight: dict[asyncio.Task[None], InFlight] = {}
+        self._cancel_subscription: Subscription | None = None
+        self._liveness: asyncio.Task[None] | None = None
         self._draining = False
         self.engine_dead = asyncio.Event()
         self.served = 0
 
     @property
     def in_flight(self) -> int:
-        return len(self._sessions)
+        return len(self._in_flight)
 
     async def start(self) -> None:
         self.service = await discovery.register(
-            self.nc, self.config, self.engine.limits, self.handle, self._stats_data
+            self.nc, self.config, self.limits, self.handle, self._stats_data
         )
         self._stats = discovery.EndpointStatsRecorder(self.service)
         subjects = self.config.subjects
+        # Cancels go to every worker (no queue group): only the one serving the id acts.
+        self._cancel_subscription = await self.nc.subscribe(subjects.cancel, cb=self._on_cancel)
+        self._liveness = asyncio.create_task(self._probe_clients())
         log.info(
             "serving %s (queue group %s) and %s as micro service %s id %s",
             subjects.generate,
@@ -100,12 +125,30 @@ class Worker:
             return
         codec = codec_for(request.headers)
         writer = FrameWriter(codec, self.nc.max_payload, request.respond)
+        if len(request.data) > self.config.max_request_bytes:
+            await self._refuse(
+                writer,
+                request,
+                arrived,
+                "",
+                "invalid_request",
+                f"payload: {len(request.data)} bytes exceeds max_request_bytes "
+                f"{self.config.max_request_bytes}",
+            )
+            return
         try:
             decoded = codec.decode_request(request.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             request_id = _salvage_request_id(codec, request.data)
             await self._refuse(
                 writer, request, arrived, request_id, "invalid_request", f"invalid payload: {error}"
+            )
+            return
+        try:
+            admit(decoded, self.limits)
+        except InvalidRequest as error:
+            await self._refuse(
+                writer, request, arrived, decoded.request_id, "invalid_request", str(error)
             )
             return
         if self._draining:
@@ -132,8 +175,55 @@ class Worker:
         engine_request_id = f"{decoded.request_id}-{uuid.uuid4().hex[:12]}"
         session = RequestSession(decoded, self.engine, writer, engine_request_id, self.metrics)
         task = asyncio.create_task(self._serve(session, request.subject, arrived))
-        self._sessions[task] = session
-        task.add_done_callback(self._sessions.pop)
+        entry = InFlight(session, task, reply)
+        if decoded.timeout_ms is not None:
+            entry.deadline = asyncio.get_running_loop().call_later(
+                decoded.timeout_ms / 1000,
+                session.cancel,
+                task,
+                "deadline_exceeded",
+                f"timeout_ms {decoded.timeout_ms} passed",
+            )
+        self._in_flight[task] = entry
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        entry = self._in_flight.pop(task)
+        if entry.deadline is not None:
+            entry.deadline.cancel()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            request_id = codec_for(msg.headers).decode_cancel(msg.data).request_id
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            log.info("ignored an invalid cancel on %s: %s", msg.subject, error)
+            return
+        for entry in list(self._in_flight.values()):
+            if entry.session.request.request_id == request_id:
+                log.info("request %s cancelled by its client", request_id)
+                entry.session.cancel(entry.task)
+
+    async def _probe_clients(self) -> None:
+        """Aborts requests whose client is gone: their reply subject has no subscriber, which
+        the server answers to a NATS request with "no responders". A live client just receives
+        an empty message (readers skip those) and does not answer, so the probe times out."""
+        while True:
+            await asyncio.sleep(self.config.liveness_interval_s)
+            entries = list(self._in_flight.values())
+            if entries and self.nc.is_connected:
+                await asyncio.gather(*(self._probe(entry) for entry in entries))
+
+    async def _probe(self, entry: InFlight) -> None:
+        try:
+            await self.nc.request(entry.reply, b"", timeout=self.config.liveness_timeout_s)
+        except nats.errors.NoRespondersError:
+            if not entry.task.done():
+                log.info("request %s: client gone, aborting", entry.session.request.request_id)
+                entry.session.cancel(
+                    entry.task, "client_gone", "nobody listens on the reply subject"
+                )
+        except Exception:  # timeout (client alive) or connection trouble: try again next round
+            pass
 
     async def _refuse(
         self,
@@ -144,7 +234,7 @@ class Worker:
         code,
         message: str,
     ) -> None:
-        log.info("request %r %s: %s", request_id, code, message)
+        log.info("request %s %s error=%r", request_id or "-", code, message)
         await send_error(writer, request_id, code, message)
         if self.metrics is not None:
             self.metrics.error(code)
@@ -201,10 +291,10 @@ class Worker:
                 self.engine_dead.set()
 
     def interrupt_all(self, code, message: str) -> list[asyncio.Task[None]]:
-        tasks = list(self._sessions)
-        for task in tasks:
-            self._sessions[task].interrupt(task, code, message)
-        return tasks
+        entries = list(self._in_flight.values())
+        for entry in entries:
+            entry.session.interrupt(entry.task, code, message)
+        return [entry.task for entry in entries]
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests; let in-flight ones finish for up to `timeout_s`; end the rest
@@ -212,7 +302,7 @@ class Worker:
         self._draining = True
         if self.service is not None:
             await self.service.stop()
-        pending = set(self._sessions)
+        pending = set(self._in_flight)
         if pending and timeout_s > 0:
             log.info("draining %d in-flight requests (up to %.1fs)", len(pending), timeout_s)
             _, pending = await asyncio.wait(pending, timeout=timeout_s)
@@ -225,3 +315,10 @@ class Worker:
 
     async def stop(self) -> None:
         await self.drain(0.0)
+        if self._liveness is not None:
+            self._liveness.cancel()
+        if self._cancel_subscription is not None:
+            try:
+                await self._cancel_subscription.unsubscribe()
+            except Exception:  # connection already closed
+                pass

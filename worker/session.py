@@ -5,13 +5,16 @@ Invariants the session owns:
 - each choice ends with exactly one frame whose finish_reason is set, carrying completion_usage;
 - an error ends the request with exactly one frame (finish_reason "error", `error` set), after which
   nothing more is sent for any choice: clients stop on it;
-- when the session's task is interrupted (drain), the engine request is aborted (vLLM aborts when
-  its stream is closed) and the client gets the interrupt's error frame.
+- when the session's task is interrupted, the engine request is aborted (the engine stream is
+  closed, and vLLM aborts a request whose stream closes) and the client gets either the
+  interrupt's error frame (drain, dead engine) or, for a cancel, a final frame with
+  finish_reason "cancelled" for each open choice (with the reason in `error` for a deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -77,12 +80,22 @@ class RequestSession:
         self.outcome = Outcome(request.request_id, [None] * n)
         self._generated = [0] * n
         self._last_token_at: list[float | None] = [None] * n
-        self._interrupt: tuple[ErrorCode, str] | None = None
+        # (cancel?, reason code, message) of an interrupt; None while not interrupted.
+        self._interrupt: tuple[bool, ErrorCode | None, str] | None = None
 
     def interrupt(self, task: asyncio.Task[object], code: ErrorCode, message: str) -> None:
         """Ends the session early (its task is cancelled); the client gets this error frame."""
-        self._interrupt = (code, message)
-        task.cancel()
+        if self._interrupt is None:
+            self._interrupt = (False, code, message)
+            task.cancel()
+
+    def cancel(
+        self, task: asyncio.Task[object], reason: ErrorCode | None = None, message: str = ""
+    ) -> None:
+        """Ends the session early with finish_reason "cancelled" on every open choice."""
+        if self._interrupt is None:
+            self._interrupt = (True, reason, message)
+            task.cancel()
 
     async def run(self) -> Outcome:
         """Serves the request to its end. Re-raises EngineDead after answering the client."""
@@ -94,7 +107,11 @@ class RequestSession:
         except asyncio.CancelledError:
             if self._interrupt is None:
                 raise
-            await self._fail(*self._interrupt)
+            is_cancel, code, message = self._interrupt
+            if is_cancel:
+                await self._send_cancelled(code, message)
+            else:
+                await self._fail(code or "internal_error", message)
         except InvalidRequest as error:
             await self._fail("invalid_request", str(error))
         except EngineDead as error:
@@ -115,36 +132,61 @@ class RequestSession:
         prompt_tokens = len(request.token_ids)
         want_logprobs = request.output_options.logprobs is not None
         send = self.writer.send
-        async for step in self.engine.generate(request, self.engine_request_id):
-            if step.prompt is not None:
-                await send(
-                    ResponseFrame(
-                        request_id=request_id,
-                        seq=0,
-                        prompt_position=0,
-                        prompt_log_probs=step.prompt.log_probs,
-                        prompt_top_logprobs=step.prompt.top_logprobs,
+        # aclosing: leaving the loop (cancel, error) closes the engine stream at once, which
+        # aborts the request in the engine, instead of whenever the generator is collected.
+        steps = contextlib.aclosing(self.engine.generate(request, self.engine_request_id))
+        async with steps as stream:
+            async for step in stream:
+                if step.prompt is not None:
+                    await send(
+                        ResponseFrame(
+                            request_id=request_id,
+                            seq=0,
+                            prompt_position=0,
+                            prompt_log_probs=step.prompt.log_probs,
+                            prompt_top_logprobs=step.prompt.top_logprobs,
+                        )
                     )
-                )
-            for choice in step.choices:
-                if choice.token_ids:
-                    self._count_tokens(choice.index, len(choice.token_ids))
-                frame = ResponseFrame(
-                    request_id=request_id, seq=0, index=choice.index, token_ids=choice.token_ids
-                )
-                if want_logprobs:
-                    frame.log_probs = choice.log_probs or []
-                    frame.top_logprobs = choice.top_logprobs or []  # type: ignore[assignment]
-                if choice.finish_reason is not None:
-                    generated = self._generated[choice.index]
-                    frame.finish_reason = choice.finish_reason
-                    frame.completion_usage = Usage(
-                        prompt_tokens, generated, prompt_tokens + generated
+                for choice in step.choices:
+                    if choice.token_ids:
+                        self._count_tokens(choice.index, len(choice.token_ids))
+                    frame = ResponseFrame(
+                        request_id=request_id, seq=0, index=choice.index, token_ids=choice.token_ids
                     )
-                    if choice.finish_reason == "error":
-                        frame.error = ErrorInfo("engine_error", "the engine ended this choice")
-                    self.outcome.finish_reasons[choice.index] = choice.finish_reason
-                await send(frame)
+                    if want_logprobs:
+                        frame.log_probs = choice.log_probs or []
+                        frame.top_logprobs = choice.top_logprobs or []  # type: ignore[assignment]
+                    if choice.finish_reason is not None:
+                        generated = self._generated[choice.index]
+                        frame.finish_reason = choice.finish_reason
+                        frame.completion_usage = Usage(
+                            prompt_tokens, generated, prompt_tokens + generated
+                        )
+                        if choice.finish_reason == "error":
+                            frame.error = ErrorInfo("engine_error", "the engine ended this choice")
+                        self.outcome.finish_reasons[choice.index] = choice.finish_reason
+                    await send(frame)
+
+    async def _send_cancelled(self, reason: ErrorCode | None, message: str) -> None:
+        prompt_tokens = len(self.request.token_ids)
+        for index, finish in enumerate(self.outcome.finish_reasons):
+            if finish is not None:
+                continue
+            generated = self._generated[index]
+            frame = ResponseFrame(
+                request_id=self.request.request_id,
+                seq=0,
+                index=index,
+                finish_reason="cancelled",
+                completion_usage=Usage(prompt_tokens, generated, prompt_tokens + generated),
+            )
+            if reason is not None:
+                frame.error = ErrorInfo(reason, message)
+            self.outcome.finish_reasons[index] = "cancelled"
+            try:
+                await self.writer.send(frame)
+            except Exception:
+                log.exception("could not send the cancel frame of %s", self.request.request_id)
 
     def _count_tokens(self, index: int, count: int) -> None:
         now = time.monotonic()

@@ -1,8 +1,9 @@
-"""Rules a decoded request must meet against the running engine's limits.
+"""Rules a decoded request must meet against the running engine's and the operator's limits.
 
 Type and sign rules are already enforced by the msgspec decoder (messages/request.py); these need
-the engine. Each violation raises InvalidRequest naming the field and the rule, before anything
-reaches the engine, so a bad request never costs engine time.
+the engine. The worker applies them when a request arrives (before admission), so a bad request
+never costs engine time or a concurrency slot. Each violation raises InvalidRequest naming the
+field and the rule.
 """
 
 from __future__ import annotations
@@ -23,9 +24,19 @@ def _check_vocab(field: str, token_ids: Iterable[int], vocab_size: int) -> None:
 
 
 def max_new_tokens(request: GenerateRequest, limits: EngineLimits) -> int:
-    """The request's max_tokens, or what the context has room for when it gives none."""
+    """The request's max_tokens, or what the context has room for (within the operator's cap)."""
     room = limits.max_model_len - len(request.token_ids)
+    if limits.max_tokens_limit is not None and request.stop_conditions.max_tokens is None:
+        room = min(room, limits.max_tokens_limit)
     return request.stop_conditions.max_tokens or room
+
+
+def admit(request: GenerateRequest, limits: EngineLimits) -> GenerateRequest:
+    """Checks the request and fills in its effective max_tokens (so the engine never needs the
+    operator's limits). Raises InvalidRequest."""
+    check_request(request, limits)
+    request.stop_conditions.max_tokens = max_new_tokens(request, limits)
+    return request
 
 
 def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
@@ -72,6 +83,12 @@ def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
             "stop_conditions.max_tokens",
             f"prompt ({prompt_len}) + max_tokens ({stop.max_tokens}) must be <= "
             f"max_model_len {limits.max_model_len}",
+        )
+    cap = limits.max_tokens_limit
+    if cap is not None and max_new_tokens(request, limits) > cap:
+        raise InvalidRequest(
+            "stop_conditions.max_tokens",
+            f"must be <= {cap} (the worker's max_tokens limit), got {stop.max_tokens}",
         )
     if stop.min_tokens is not None and stop.min_tokens > max_new_tokens(request, limits):
         raise InvalidRequest(

@@ -38,7 +38,7 @@ from worker.engine_api import (
     PromptRows,
 )
 from worker.tokens import TokenTable
-from worker.validation import check_request, max_new_tokens
+from worker.validation import max_new_tokens
 
 try:  # vLLM >= 0.11 raises its own validation error type, which is not a ValueError.
     from vllm.exceptions import VLLMValidationError as _VllmValidationError
@@ -82,7 +82,7 @@ class VllmEngine:
         self.limits = limits
 
     @classmethod
-    async def start(cls, engine_args: AsyncEngineArgs, *, max_n: int = 16) -> VllmEngine:
+    async def start(cls, engine_args: AsyncEngineArgs) -> VllmEngine:
         log.info("starting vLLM engine for model %s", engine_args.model)
         llm = AsyncLLM.from_engine_args(engine_args)
         model_config = llm.model_config
@@ -96,7 +96,6 @@ class VllmEngine:
             max_logprobs=vocab_size if max_logprobs == -1 else max_logprobs,
             vocab_size=vocab_size,
             max_model_len=model_config.max_model_len,
-            max_n=max_n,
             engine=f"vllm {vllm_version}",
         )
         table = TokenTable.from_tokenizer(tokenizer, vocab_size)
@@ -116,8 +115,8 @@ class VllmEngine:
         return self._llm
 
     def sampling_params(self, request: GenerateRequest) -> SamplingParams:
-        """Validated SamplingParams for the request (raises InvalidRequest)."""
-        check_request(request, self.limits)
+        """SamplingParams for an admitted request (worker.validation.admit); vLLM's own
+        validation errors become InvalidRequest."""
         sampling = request.sampling_options
         stop = request.stop_conditions
         output = request.output_options
