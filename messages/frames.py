@@ -66,6 +66,9 @@ class ResponseFrame(msgspec.Struct, kw_only=True):
     request_id: str
     seq: int
     index: int = 0
+    # JetStream mode only: the request's delivery attempt (1, 2, …). Frames of a new attempt
+    # restart at seq 0 and replace the partial output of the attempt before.
+    attempt: int | UnsetType = UNSET
     token_ids: list[int] = msgspec.field(default_factory=list)
     # Floats; None only where JSON had to write a non-finite value as null (see messages.codec).
     log_probs: list[float | None] | UnsetType = UNSET

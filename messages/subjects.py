@@ -29,6 +29,11 @@ class Subjects:
         return f"{self.namespace}.{self.component}.{self.endpoint}"
 
     @property
+    def queue(self) -> str:
+        """The JetStream work-queue subject (`--mode jetstream`); apart from the core subjects."""
+        return f"{self.namespace}.{self.component}.queue.{self.endpoint}"
+
+    @property
     def cancel(self) -> str:
         return f"{self.generate}.{CANCEL_TOKEN}"
 

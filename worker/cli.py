@@ -153,6 +153,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     nats.add_argument("--metrics-host", default="0.0.0.0", help="metrics bind address")
     nats.add_argument(
+        "--mode",
+        choices=["core", "jetstream"],
+        default="core",
+        help="core: a queue group on the core subjects (at most once); jetstream: a durable "
+        "work-queue stream on <namespace>.<component>.queue.<endpoint>, pulled by free capacity",
+    )
+    nats.add_argument(
+        "--js-stream", default=None, help="stream name (default: NS_COMPONENT_ENDPOINT)"
+    )
+    nats.add_argument("--js-durable", default="vllm-workers", help="shared durable consumer name")
+    nats.add_argument(
+        "--js-ack-wait",
+        type=float,
+        default=30.0,
+        help="seconds without an ack (or in-progress ack) before redelivery (default: 30)",
+    )
+    nats.add_argument(
+        "--js-max-deliver",
+        type=int,
+        default=3,
+        help="delivery attempts before a request is terminated with an error frame (default: 3)",
+    )
+    nats.add_argument("--js-max-ack-pending", type=int, default=1024, help="(default: 1024)")
+    nats.add_argument(
+        "--js-max-age",
+        type=float,
+        default=3600.0,
+        help="seconds a queued request may wait before the stream drops it (default: 3600)",
+    )
+    nats.add_argument(
         "--worker-log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -183,7 +213,7 @@ def worker_config(args: argparse.Namespace, nats_url: str) -> WorkerConfig:
         max_tokens_limit=args.max_tokens_limit,
         max_request_bytes=args.max_request_bytes,
         liveness_interval_s=args.liveness_interval,
-        max_concurrency=args.max_concurrency,
+        max_concurrency=args.max_concurrency or (64 if args.mode == "jetstream" else None),
         drain_timeout_s=args.drain_timeout,
         health_interval_s=args.health_interval,
     )
@@ -265,14 +295,35 @@ async def _run(
         log.info("metrics on http://%s:%d/metrics", args.metrics_host, metrics_port)
     nc = await connect(config.nats)
     worker = Worker(engine, nc, config, metrics)
-    await worker.start()
+    await worker.start(core_endpoints=args.mode == "core")
+    intake = None
+    if args.mode == "jetstream":
+        from worker.jetstream import JetStreamConfigError, JetStreamIntake, JetStreamSettings
+
+        settings = JetStreamSettings(
+            stream=args.js_stream,
+            durable=args.js_durable,
+            ack_wait_s=args.js_ack_wait,
+            max_deliver=args.js_max_deliver,
+            max_ack_pending=args.js_max_ack_pending,
+            max_age_s=args.js_max_age,
+        )
+        intake = JetStreamIntake(worker, nc, settings, capacity=config.max_concurrency or 64)
+        try:
+            await intake.start()
+        except JetStreamConfigError as error:
+            print(f"vllm-nats-worker: refusing to start: {error}", file=sys.stderr, flush=True)
+            await worker.stop()
+            await nc.drain()
+            return 2
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     health = asyncio.create_task(worker.watch_engine())
     ready = Ready(config.nats.servers[0], config.subjects, config.instance_id, metrics_port)
+    serving = config.subjects.queue + " (jetstream)" if intake else config.subjects.generate
     print(
-        f"vllm-nats-worker ready: model {engine.limits.model} on {config.subjects.generate} "
+        f"vllm-nats-worker ready: model {engine.limits.model} on {serving} "
         f"(instance {config.instance_id}) via {ready.nats_url}"
         + (f", metrics http://{args.metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
         flush=True,
@@ -285,6 +336,8 @@ async def _run(
         await asyncio.wait({stopped, dead}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         dead.cancel()
+        if intake is not None:
+            await intake.stop()
         if worker.engine_dead.is_set():
             log.error("engine is dead: answering in-flight requests and exiting")
             tasks = worker.interrupt_all("engine_error", "the engine died: retry on another worker")

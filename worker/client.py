@@ -172,6 +172,89 @@ async def complete(
     return fold(request.request_id, frames, request.sampling_options.n)
 
 
+REPLY_HEADER = "Reply-To"
+
+
+async def jetstream_generate(
+    nc: NATS,
+    request: GenerateRequest,
+    *,
+    subjects: Subjects | None = None,
+    codec: Codec = MSGPACK,
+    timeout: float = 60.0,
+) -> AsyncIterator[ResponseFrame]:
+    """Publishes to the work-queue stream (`--mode jetstream`) with a JetStream ack, then yields
+    the frames. Frames carry `attempt`: when a worker died and the request was redelivered, a
+    new attempt's frames restart at seq 0 and the caller drops what the old attempt sent (late
+    frames of an older attempt are skipped here)."""
+    subjects = subjects or Subjects()
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    headers = {REPLY_HEADER: inbox}
+    if codec is JSON:
+        headers["Content-Type"] = codec.content_type
+    ended = False
+    try:
+        await nc.jetstream().publish(subjects.queue, codec.encode(request), headers=headers)
+        attempt = 0
+        expected_seq = 0
+        finished: set[int] = set()
+        while True:
+            msg = await subscription.next_msg(timeout=timeout)
+            if not msg.data:
+                continue  # the worker's liveness probe
+            frame = codec.decode_frame(msg.data)
+            frame_attempt = frame.attempt or 0
+            if frame_attempt < attempt:
+                continue
+            if frame_attempt > attempt:
+                attempt, expected_seq = frame_attempt, 0
+                finished.clear()
+            if frame.seq != expected_seq:
+                raise FrameOrderError(
+                    f"attempt {attempt}: expected seq {expected_seq}, got {frame.seq}"
+                )
+            expected_seq += 1
+            if frame.finish_reason == "error":
+                ended = True
+            elif frame.finish_reason is not None:
+                finished.add(frame.index)
+                ended = len(finished) >= request.sampling_options.n
+            yield frame
+            if ended:
+                return
+    finally:
+        if not ended:
+            try:
+                await nc.publish(
+                    subjects.cancel, MSGPACK.encode(CancelRequest(request_id=request.request_id))
+                )
+            except Exception:
+                pass
+        await subscription.unsubscribe()
+
+
+async def jetstream_complete(
+    nc: NATS,
+    request: GenerateRequest,
+    *,
+    subjects: Subjects | None = None,
+    codec: Codec = MSGPACK,
+    timeout: float = 60.0,
+) -> tuple[Completion, list[int]]:
+    """The last attempt's answer, folded; and the attempts whose frames were seen, in order."""
+    frames: list[ResponseFrame] = []
+    attempts: list[int] = []
+    async for frame in jetstream_generate(
+        nc, request, subjects=subjects, codec=codec, timeout=timeout
+    ):
+        if not attempts or frame.attempt != attempts[-1]:
+            attempts.append(frame.attempt or 0)
+            frames = []  # a new attempt replaces the partial output of the one before
+        frames.append(frame)
+    return fold(request.request_id, frames, request.sampling_options.n), attempts
+
+
 async def wait_for_worker(nc: NATS, timeout: float, name: str = "vllm-nats-worker") -> bool:
     """True once a worker answers `$SRV.PING.<name>` (workers register as NATS micro services)."""
     import asyncio

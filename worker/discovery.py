@@ -37,7 +37,11 @@ async def register(
     limits: EngineLimits,
     handler: Handler,
     stats_data: Callable[[], dict[str, Any]],
+    *,
+    endpoints: bool = True,
 ) -> Service:
+    """Registers the service; `endpoints=False` (JetStream mode) registers it for discovery
+    only, since requests then come from the stream, not from the core subjects."""
     subjects = config.subjects
 
     def endpoint_data(_: EndpointStats) -> dict[str, Any]:
@@ -59,6 +63,9 @@ async def register(
         },
         stats_handler=endpoint_data,
     )
+    if not endpoints:
+        await nc.flush()
+        return service
     await service.add_endpoint(
         name="generate",
         subject=subjects.generate,

@@ -74,16 +74,21 @@ def split_frame(frame: ResponseFrame) -> tuple[ResponseFrame, ResponseFrame]:
 class FrameWriter:
     """Publishes one request's frames to its reply subject."""
 
-    def __init__(self, codec: Codec, max_payload: int, publish: Publish) -> None:
+    def __init__(
+        self, codec: Codec, max_payload: int, publish: Publish, attempt: int | None = None
+    ) -> None:
         self.codec = codec
         self.max_payload = max_payload
         self._publish = publish
+        self.attempt = attempt
         self.next_seq = 0
         self.frames_sent = 0
 
     def encode(self, frame: ResponseFrame) -> list[bytes]:
         """Encoded pieces of `frame`, numbered from next_seq (which it advances)."""
         frame.seq = self.next_seq
+        if self.attempt is not None:
+            frame.attempt = self.attempt
         data = self.codec.encode(frame)
         if len(data) <= self.max_payload:
             self.next_seq += 1

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -23,10 +24,11 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 
 from messages.codec import Codec, codec_for
+from messages.frames import ErrorCode
 from worker import discovery
 from worker.config import WorkerConfig
 from worker.engine_api import Engine, EngineDead, InvalidRequest
-from worker.framing import FrameWriter
+from worker.framing import FrameWriter, Publish
 from worker.metrics import WorkerMetrics
 from worker.session import Outcome, RequestSession, send_error
 from worker.validation import admit
@@ -44,6 +46,23 @@ def _salvage_request_id(codec: Codec, data: bytes) -> str:
     if isinstance(decoded, dict) and isinstance(decoded.get("request_id"), str):
         return decoded["request_id"][:256]
     return ""
+
+
+@dataclass
+class Delivery:
+    """One request as the transport delivered it (core request or JetStream message)."""
+
+    data: bytes
+    headers: dict[str, str] | None
+    reply: str
+    publish: Publish
+    subject: str
+    arrived: int
+    attempt: int | None = None
+    """JetStream delivery attempt (frames carry it); None for core NATS."""
+    final_attempt: bool = True
+    requeue_refusals: bool = False
+    on_done: Callable[[Outcome], Awaitable[None]] | None = None
 
 
 @dataclass
@@ -79,15 +98,23 @@ class Worker:
         self._liveness: asyncio.Task[None] | None = None
         self._draining = False
         self.engine_dead = asyncio.Event()
+        self.capacity_freed = asyncio.Event()
         self.served = 0
+        self.peak_in_flight = 0
 
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    async def start(self) -> None:
+    async def start(self, *, core_endpoints: bool = True) -> None:
+        """Registers with NATS micro; `core_endpoints=False` when requests come from JetStream."""
         self.service = await discovery.register(
-            self.nc, self.config, self.limits, self.handle, self._stats_data
+            self.nc,
+            self.config,
+            self.limits,
+            self.handle,
+            self._stats_data,
+            endpoints=core_endpoints,
         )
         self._stats = discovery.EndpointStatsRecorder(self.service)
         subjects = self.config.subjects
@@ -123,59 +150,55 @@ class Worker:
             )
             self._record(request.subject, arrived, "no reply subject")
             return
-        codec = codec_for(request.headers)
-        writer = FrameWriter(codec, self.nc.max_payload, request.respond)
-        if len(request.data) > self.config.max_request_bytes:
-            await self._refuse(
-                writer,
-                request,
-                arrived,
-                "",
-                "invalid_request",
-                f"payload: {len(request.data)} bytes exceeds max_request_bytes "
-                f"{self.config.max_request_bytes}",
+        await self.accept(
+            Delivery(
+                request.data, request.headers, reply, request.respond, request.subject, arrived
             )
-            return
+        )
+
+    async def accept(self, delivery: Delivery) -> ErrorCode | None:
+        """Validates and admits one request, then serves it in its own task.
+
+        Returns None once the request runs, or the code it was refused with. A refusal is
+        answered with an error frame, except for a JetStream delivery refused for capacity or
+        drain (`delivery.requeue_refusals`), which its caller NAKs for another worker instead.
+        """
+        codec = codec_for(delivery.headers)
+        writer = FrameWriter(codec, self.nc.max_payload, delivery.publish, delivery.attempt)
+        request_id = ""
         try:
-            decoded = codec.decode_request(request.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            request_id = _salvage_request_id(codec, request.data)
-            await self._refuse(
-                writer, request, arrived, request_id, "invalid_request", f"invalid payload: {error}"
-            )
-            return
-        try:
+            if len(delivery.data) > self.config.max_request_bytes:
+                raise InvalidRequest(
+                    "payload",
+                    f"{len(delivery.data)} bytes exceeds max_request_bytes "
+                    f"{self.config.max_request_bytes}",
+                )
+            try:
+                decoded = codec.decode_request(delivery.data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                request_id = _salvage_request_id(codec, delivery.data)
+                raise InvalidRequest("invalid payload", str(error)) from error
+            request_id = decoded.request_id
             admit(decoded, self.limits)
         except InvalidRequest as error:
-            await self._refuse(
-                writer, request, arrived, decoded.request_id, "invalid_request", str(error)
-            )
-            return
-        if self._draining:
-            await self._refuse(
-                writer,
-                request,
-                arrived,
-                decoded.request_id,
-                "worker_shutdown",
-                "worker is shutting down: retry on another worker",
-            )
-            return
+            await self._refuse(writer, delivery, request_id, "invalid_request", str(error))
+            return "invalid_request"
         limit = self.config.max_concurrency
-        if limit is not None and self.in_flight >= limit:
-            await self._refuse(
-                writer,
-                request,
-                arrived,
-                decoded.request_id,
-                "overloaded",
-                f"worker at max_concurrency {limit}: retry on another worker",
-            )
-            return
+        refusal: tuple[ErrorCode, str] | None = None
+        if self._draining:
+            refusal = ("worker_shutdown", "worker is shutting down: retry on another worker")
+        elif limit is not None and self.in_flight >= limit:
+            refusal = ("overloaded", f"worker at max_concurrency {limit}: retry on another worker")
+        if refusal is not None:
+            if not delivery.requeue_refusals:
+                await self._refuse(writer, delivery, request_id, *refusal)
+            return refusal[0]
         engine_request_id = f"{decoded.request_id}-{uuid.uuid4().hex[:12]}"
-        session = RequestSession(decoded, self.engine, writer, engine_request_id, self.metrics)
-        task = asyncio.create_task(self._serve(session, request.subject, arrived))
-        entry = InFlight(session, task, reply)
+        session = RequestSession(
+            decoded, self.engine, writer, engine_request_id, self.metrics, delivery.final_attempt
+        )
+        task = asyncio.create_task(self._serve(session, delivery))
+        entry = InFlight(session, task, delivery.reply)
         if decoded.timeout_ms is not None:
             entry.deadline = asyncio.get_running_loop().call_later(
                 decoded.timeout_ms / 1000,
@@ -185,12 +208,15 @@ class Worker:
                 f"timeout_ms {decoded.timeout_ms} passed",
             )
         self._in_flight[task] = entry
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         task.add_done_callback(self._done)
+        return None
 
     def _done(self, task: asyncio.Task[None]) -> None:
         entry = self._in_flight.pop(task)
         if entry.deadline is not None:
             entry.deadline.cancel()
+        self.capacity_freed.set()
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
@@ -228,10 +254,9 @@ class Worker:
     async def _refuse(
         self,
         writer: FrameWriter,
-        request: Request,
-        arrived: int,
+        delivery: Delivery,
         request_id: str,
-        code,
+        code: ErrorCode,
         message: str,
     ) -> None:
         log.info("request %s %s error=%r", request_id or "-", code, message)
@@ -239,9 +264,9 @@ class Worker:
         if self.metrics is not None:
             self.metrics.error(code)
             self.metrics.finished(code)
-        self._record(request.subject, arrived, f"{code}: {message}")
+        self._record(delivery.subject, delivery.arrived, f"{code}: {message}")
 
-    async def _serve(self, session: RequestSession, subject: str, arrived: int) -> None:
+    async def _serve(self, session: RequestSession, delivery: Delivery) -> None:
         if self.metrics is not None:
             self.metrics.in_flight.inc()
         try:
@@ -256,7 +281,12 @@ class Worker:
         self.served += 1
         self._log_outcome(outcome, session.writer)
         error = f"{outcome.error_code}: {outcome.error_message}" if outcome.error_code else None
-        self._record(subject, arrived, error)
+        self._record(delivery.subject, delivery.arrived, error)
+        if delivery.on_done is not None:
+            try:
+                await delivery.on_done(outcome)
+            except Exception:
+                log.exception("settling request %s failed", outcome.request_id)
         if self.metrics is not None:
             self.metrics.finished(outcome.label)
             if outcome.error_code is not None:

@@ -28,6 +28,9 @@ from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
+# Failures that are not the request's fault: another worker (or attempt) may succeed.
+RETRYABLE: frozenset[str] = frozenset({"engine_error", "internal_error", "worker_shutdown"})
+
 
 @dataclass
 class Outcome:
@@ -40,6 +43,8 @@ class Outcome:
     error_message: str = ""
     first_token_s: float | None = None
     started: float = field(default_factory=time.monotonic)
+    requeue: bool = False
+    """The request failed retryably and another attempt will run it (JetStream): no frame sent."""
 
     @property
     def label(self) -> str:
@@ -70,8 +75,12 @@ class RequestSession:
         writer: FrameWriter,
         engine_request_id: str,
         metrics: WorkerMetrics | None = None,
+        final_attempt: bool = True,
     ) -> None:
         self.request = request
+        # False while a JetStream redelivery can still retry the request: retryable failures
+        # then end silently (the next attempt answers) instead of with an error frame.
+        self.final_attempt = final_attempt
         self.engine = engine
         self.writer = writer
         self.engine_request_id = engine_request_id
@@ -203,6 +212,9 @@ class RequestSession:
     async def _fail(self, code: ErrorCode, message: str) -> None:
         self.outcome.error_code = code
         self.outcome.error_message = message
+        if code in RETRYABLE and not self.final_attempt:
+            self.outcome.requeue = True
+            return
         try:
             await send_error(self.writer, self.request.request_id, code, message)
         except Exception:
