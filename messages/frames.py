@@ -36,7 +36,9 @@ ErrorCode = Literal[
 ]
 
 
-class TopLogprob(msgspec.Struct, frozen=True):
+# gc=False: rows are the most numerous objects on the hot path and hold only scalars, so they
+# can never be part of a reference cycle; untracked, they cost less to make and to collect.
+class TopLogprob(msgspec.Struct, frozen=True, gc=False):
     """One candidate at one position. `rank` is 1-based as in vLLM (1 = most likely).
 
     `bytes` are the token's true bytes (a byte-fallback token carries its real byte); `token` is

@@ -314,13 +314,12 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
 
         tasks = [asyncio.create_task(one(i)) for i in range(4)]
         await asyncio.wait_for(first_frames.wait(), 60)
-        # All four run on the first worker (they all streamed before the second one existed).
-        await js_workers(engine, subjects, settings)  # the survivor, idle
-        # The first worker's host dies mid-generation (nothing acked): every process of the
-        # group, since vLLM's engine process outlives a killed parent.
+        # The host dies mid-generation (nothing acked): every process of the group, since
+        # vLLM's engine process outlives a killed parent.
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
         rest.cancel()
+        await js_workers(engine, subjects, settings)  # the survivor
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         for i, frames in enumerate(results):
             assert seen[f"kill-{i}"] == [1, 2], seen

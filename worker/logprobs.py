@@ -54,13 +54,17 @@ def _flat_rows(
             raise AlignmentError(
                 f"position {position}: logprobs are for token {ids[start]}, output has {token_id}"
             )
+        top_ids = ids[start + 1 : end]
+        # Entries 1..k are vLLM's top-k, whose ranks are always set (1..k).
         row = [
-            TopLogprob(ranks[i] or 0, ids[i], texts[ids[i]], values[i], raw[ids[i]])
-            for i in range(start + 1, end)
+            TopLogprob(rank, tid, texts[tid], value, raw[tid])
+            for rank, tid, value in zip(
+                ranks[start + 1 : end], top_ids, values[start + 1 : end], strict=True
+            )
         ]
         chosen_rank = ranks[start]
         # Rank ties can leave the chosen token out of the top-k slice even when its rank <= k.
-        if chosen_rank is None or chosen_rank > k or token_id not in ids[start + 1 : end]:
+        if chosen_rank is None or chosen_rank > k or token_id not in top_ids:
             row.append(
                 TopLogprob(
                     chosen_rank or 0, token_id, texts[token_id], values[start], raw[token_id]
@@ -104,9 +108,14 @@ def extract(
     `prompt=True` allows empty positions (prompt position 0 has no logprob: nothing precedes it),
     which come out as None; for generated tokens an empty position is an AlignmentError.
     """
-    if logprobs is None or len(logprobs) != len(token_ids):
-        have = "none" if logprobs is None else len(logprobs)
-        raise AlignmentError(f"{len(token_ids)} tokens but logprobs for {have} positions")
-    if hasattr(logprobs, "start_indices"):
+    # FlatLogprobs is checked by its start_indices (not its Python-level __len__): this runs
+    # once per engine step and choice, so its fixed cost is paid per token at one token a step.
+    starts = getattr(logprobs, "start_indices", None)
+    have = len(starts) if starts is not None else None if logprobs is None else len(logprobs)
+    if have != len(token_ids):
+        raise AlignmentError(
+            f"{len(token_ids)} tokens but logprobs for {'none' if have is None else have} positions"
+        )
+    if starts is not None:
         return _flat_rows(token_ids, logprobs, k, table, nullable=prompt)
     return _dict_rows(token_ids, logprobs, table, nullable=prompt)

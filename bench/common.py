@@ -1,0 +1,81 @@
+"""What every benchmark shares: statistics, the machine line, tables and JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": platform.node(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (pastes into RESULTS.md as is)."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    path = OUT_DIR / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    return path

@@ -1,0 +1,174 @@
+"""Closed-loop load on both sides of a comparison: the NATS worker and a baseline.
+
+Each side runs `concurrency` streams; each stream sends `requests_per_stream` requests one after
+another. A run's tokens/s is all generated tokens ÷ its wall time; TTFT is per request, from the
+send to the first token. Both sides get the same requests (prompts, sampling, max_tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bench.common import percentile
+from messages.codec import MSGPACK
+from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
+
+
+@dataclass
+class RunResult:
+    wall_s: float
+    tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    def ttft_ms(self, q: float) -> float:
+        return percentile(self.ttft_s, q) * 1000
+
+
+# One request's answer: (TTFT in s, tokens).
+Send = Callable[[GenerateRequest], Awaitable[tuple[float, int]]]
+
+
+def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+_ids = itertools.count()
+
+
+def make_request(token_ids: list[int], max_tokens: int, logprobs: int | None) -> GenerateRequest:
+    # Greedy and ignore_eos: every request generates exactly max_tokens on both sides.
+    return GenerateRequest(
+        request_id=f"bench-{next(_ids)}",
+        token_ids=token_ids,
+        sampling_options=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
+        output_options=OutputOptions(logprobs=logprobs),
+    )
+
+
+async def run(
+    send: Send,
+    token_prompts: list[list[int]],
+    *,
+    concurrency: int,
+    requests_per_stream: int,
+    max_tokens: int,
+    logprobs: int | None,
+) -> RunResult:
+    result = RunResult(0.0, 0)
+
+    async def stream(index: int) -> None:
+        for i in range(requests_per_stream):
+            prompt = token_prompts[(index * requests_per_stream + i) % len(token_prompts)]
+            ttft, tokens = await send(make_request(prompt, max_tokens, logprobs))
+            result.ttft_s.append(ttft)
+            result.tokens += tokens
+
+    start = time.perf_counter()
+    await asyncio.gather(*(stream(i) for i in range(concurrency)))
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+class _Counted(msgspec.Struct):
+    """The part of a frame the load generator reads (msgspec skips the other fields)."""
+
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+
+
+class NatsSender:
+    """Sends requests to the worker with one wildcard reply subscription for all of them (as a
+    frontend would: no subscribe/unsubscribe round trip per request)."""
+
+    def __init__(self, nc: NATS, subject: str) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.prefix = nc.new_inbox()
+        self._open: dict[str, list] = {}
+        self._decoder = msgspec.msgpack.Decoder(_Counted)
+        self._subscription = None
+        self.frames = 0
+
+    async def start(self) -> None:
+        self._subscription = await self.nc.subscribe(self.prefix + ".>", cb=self._on_frame)
+
+    async def _on_frame(self, msg: Msg) -> None:
+        if not msg.data:
+            return  # liveness probe
+        state = self._open.get(msg.subject)
+        if state is None:
+            return
+        frame = self._decoder.decode(msg.data)
+        self.frames += 1
+        if frame.token_ids:
+            if state[1] is None:
+                state[1] = time.perf_counter()
+            state[2] += len(frame.token_ids)
+        if frame.finish_reason is not None:
+            state[3].set_result(None)
+
+    async def __call__(self, request: GenerateRequest) -> tuple[float, int]:
+        inbox = f"{self.prefix}.{request.request_id}"
+        done = asyncio.get_running_loop().create_future()
+        state = [time.perf_counter(), None, 0, done]
+        self._open[inbox] = state
+        await self.nc.publish(self.subject, MSGPACK.encode(request), reply=inbox)
+        await asyncio.wait_for(done, 300)
+        del self._open[inbox]
+        return state[1] - state[0], state[2]
+
+    async def replay(self, request: GenerateRequest, frames: list[bytes]) -> tuple[float, int]:
+        """The transport baseline: publishes recorded frame bytes to a fresh inbox from this
+        process, with no worker, and reads them back exactly as `__call__` reads a worker's."""
+        inbox = f"{self.prefix}.{request.request_id}"
+        done = asyncio.get_running_loop().create_future()
+        state = [time.perf_counter(), None, 0, done]
+        self._open[inbox] = state
+        for data in frames:
+            await self.nc.publish(inbox, data)
+        await asyncio.wait_for(done, 300)
+        del self._open[inbox]
+        return state[1] - state[0], state[2]
+
+    async def stop(self) -> None:
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+
+
+class DirectSender:
+    """The baseline: the same request straight into the same in-process AsyncLLM, with the
+    worker's own SamplingParams (flat logprobs, no detokenize, DELTA), nothing else."""
+
+    def __init__(self, engine) -> None:  # engine: worker.vllm_engine.VllmEngine
+        from vllm.inputs import TokensPrompt
+
+        self.engine = engine
+        self._prompt = TokensPrompt
+
+    async def __call__(self, request: GenerateRequest) -> tuple[float, int]:
+        params = self.engine.sampling_params(request)
+        prompt = self._prompt(prompt_token_ids=request.token_ids)
+        start = time.perf_counter()
+        first = None
+        tokens = 0
+        async for out in self.engine.llm.generate(prompt, params, request.request_id):
+            new = len(out.outputs[0].token_ids)
+            if new and first is None:
+                first = time.perf_counter()
+            tokens += new
+        return (first or time.perf_counter()) - start, tokens

@@ -1,0 +1,188 @@
+"""P1 overhead: the NATS worker ÷ the same requests on the same in-process AsyncLLM.
+
+One process holds one engine. The baseline sends each request straight to `AsyncLLM.generate`
+with the worker's own SamplingParams; the worker side sends it over a real nats-server
+(loopback) to a `Worker` on that same engine, which builds logprob rows, encodes frames and
+publishes them, and the load generator decodes every frame. Runs alternate between the sides
+(order flipped each repeat); ratios are per repeat, then the median.
+The load generator shares the worker's process and event loop, so its cost is billed to the
+worker side: the ratio is a lower bound.
+
+    python -m bench.p1_overhead [--concurrency 1,8,32] [--logprobs off,5,20] [--max-tokens 64]
+        [--repeats 3] [--requests-per-stream 4] [vLLM engine args, e.g. --model PATH]
+
+Also the GPU run's G1/G2/G3 (issue 7): `--concurrency 1,64,256 --max-tokens 128
+--requests-per-stream 1 --model /tmp/llama-1b --dtype bfloat16`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+
+import nats
+
+from bench.common import median, table, write_json
+from bench.load import DirectSender, NatsSender, prompts, run
+from messages.subjects import Subjects
+from worker.cli import build_parser, engine_args
+from worker.config import NatsConfig, WorkerConfig
+from worker.embedded import NatsServer
+
+GOAL = {"concurrency": 32, "logprobs": 5, "tokens_per_s_ratio": 0.97}
+
+
+def _parse(argv: list[str]):
+    parser = build_parser()
+    bench = parser.add_argument_group("benchmark")
+    bench.add_argument("--concurrency", default="1,8,32")
+    bench.add_argument("--logprobs", default="off,5,20")
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--prompt-len", type=int, default=32)
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--requests-per-stream", type=int, default=8)
+    bench.add_argument("--name", default="p1_overhead", help="JSON file name under bench/out")
+    return parser.parse_args(argv)
+
+
+async def main_async(argv: list[str]) -> None:
+    from worker.service import Worker
+    from worker.transport import connect
+    from worker.vllm_engine import VllmEngine
+
+    args = _parse(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    logprob_levels = [None if v == "off" else int(v) for v in args.logprobs.split(",")]
+    engine = await VllmEngine.start(engine_args(args))
+    server = NatsServer().start()
+    subjects = Subjects("bench", "vllm", "generate")
+    worker_nc = await connect(NatsConfig(servers=[server.url]))
+    worker = Worker(
+        engine, worker_nc, WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects)
+    )
+    await worker.start()
+    client = await nats.connect(server.url)
+    via_nats = NatsSender(client, subjects.generate)
+    await via_nats.start()
+    direct = DirectSender(engine)
+    sides = {"direct": direct, "worker": via_nats}
+    token_prompts = prompts(256, args.prompt_len, engine.limits.vocab_size)
+
+    async def once(side: str, concurrency: int, logprobs: int | None, per_stream: int):
+        return await run(
+            sides[side],
+            token_prompts,
+            concurrency=concurrency,
+            requests_per_stream=per_stream,
+            max_tokens=args.max_tokens,
+            logprobs=logprobs,
+        )
+
+    for side in sides:  # warm-up: first-use costs are nobody's figure
+        await once(side, 4, 5, 1)
+    results = []
+    started = time.time()
+    for logprobs in logprob_levels:
+        for concurrency in levels:
+            runs: dict[str, list] = {"direct": [], "worker": []}
+            for repeat in range(args.repeats):
+                order = ["direct", "worker"] if repeat % 2 == 0 else ["worker", "direct"]
+                for side in order:
+                    runs[side].append(
+                        await once(side, concurrency, logprobs, args.requests_per_stream)
+                    )
+            ratios = [
+                w.tokens_per_s / d.tokens_per_s
+                for d, w in zip(runs["direct"], runs["worker"], strict=True)
+            ]
+            ttft_ratios = [
+                w.ttft_ms(50) / d.ttft_ms(50)
+                for d, w in zip(runs["direct"], runs["worker"], strict=True)
+            ]
+            entry = {
+                "logprobs": logprobs,
+                "concurrency": concurrency,
+                "ratio_tokens_per_s": median(ratios),
+                "ratio_ttft_p50": median(ttft_ratios),
+                "ratios": ratios,
+            }
+            for side, side_runs in runs.items():
+                entry[side] = {
+                    "tokens_per_s": median([r.tokens_per_s for r in side_runs]),
+                    "ttft_p50_ms": median([r.ttft_ms(50) for r in side_runs]),
+                    "ttft_p99_ms": median([r.ttft_ms(99) for r in side_runs]),
+                    "tokens": [r.tokens for r in side_runs],
+                }
+            results.append(entry)
+            print(
+                f"logprobs={logprobs} c={concurrency}: ratio {entry['ratio_tokens_per_s']:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    # G2 figures: each side's tokens/s with logprobs ÷ the same side without.
+    off = {r["concurrency"]: r for r in results if r["logprobs"] is None}
+    rows = []
+    for r in results:
+        base = off.get(r["concurrency"])
+        vs_off = r["worker"]["tokens_per_s"] / base["worker"]["tokens_per_s"] if base else None
+        rows.append(
+            [
+                "off" if r["logprobs"] is None else r["logprobs"],
+                r["concurrency"],
+                r["direct"]["tokens_per_s"],
+                r["worker"]["tokens_per_s"],
+                r["ratio_tokens_per_s"],
+                r["direct"]["ttft_p50_ms"],
+                r["worker"]["ttft_p50_ms"],
+                r["direct"]["ttft_p99_ms"],
+                r["worker"]["ttft_p99_ms"],
+                "-" if vs_off is None else vs_off,
+            ]
+        )
+        r["worker_vs_no_logprobs"] = vs_off
+    print(
+        table(
+            [
+                "logprobs",
+                "streams",
+                "AsyncLLM tok/s",
+                "worker tok/s",
+                "ratio",
+                "AsyncLLM TTFT p50 ms",
+                "worker TTFT p50 ms",
+                "AsyncLLM TTFT p99 ms",
+                "worker TTFT p99 ms",
+                "worker ÷ no-logprobs",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"model {engine.limits.model} ({engine.limits.engine}), max_tokens {args.max_tokens}, "
+        f"{args.requests_per_stream} requests per stream, {args.repeats} repeats, "
+        f"{time.time() - started:.0f} s"
+    )
+    settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))}
+    print("wrote", write_json(args.name, {"settings": settings, "goal": GOAL, "results": results}))
+    await via_nats.stop()
+    await client.close()
+    await worker.stop()
+    await worker_nc.close()
+    engine.shutdown()
+    server.stop()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from worker.tiny_model import cpu_env_defaults
+
+    cpu_env_defaults()
+    asyncio.run(main_async(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""P3 transport ceiling: a synthetic engine through the worker ÷ raw nats-py, same bytes.
+
+`SyntheticFastEngine` (a fake, named as one: no model) emits one token per step with a full
+logprob row, as fast as the event loop lets it. Through the real `Worker` (sessions, rows,
+framing, msgpack, publish) to a real nats-server and back to a reader in the same process, that
+gives the worker's own ceiling in frames/s. The baseline publishes the very frame bytes the
+worker sent for the same request, from the same process, with plain `nc.publish`, and reads
+them back with the same reader. Ratio = worker ÷ raw.
+
+    python -m bench.p3_transport [--streams 32] [--max-tokens 64] [--logprobs 5] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import nats
+
+from bench.common import median, table, write_json
+from bench.load import NatsSender, make_request, prompts, run
+from messages.codec import MSGPACK
+from messages.frames import TopLogprob
+from messages.request import GenerateRequest
+from messages.subjects import Subjects
+from worker.config import NatsConfig, WorkerConfig
+from worker.embedded import NatsServer
+from worker.engine_api import ChoiceDelta, EngineLimits, EngineStep
+
+GOAL = 0.6
+
+
+class SyntheticFastEngine:
+    """A fake engine for transport benchmarks only: fixed tokens and rows, no model."""
+
+    def __init__(self) -> None:
+        self.limits = EngineLimits(
+            model="synthetic",
+            max_logprobs=20,
+            vocab_size=1024,
+            max_model_len=4096,
+            engine="synthetic",
+        )
+        self._row = {
+            k: [TopLogprob(r, 100 + r, f"tok{r}", -0.1 * r, b"tok") for r in range(1, k + 1)]
+            for k in (0, 1, 5, 20)
+        }
+
+    async def generate(
+        self, request: GenerateRequest, engine_request_id: str
+    ) -> AsyncIterator[EngineStep]:
+        k = request.output_options.logprobs
+        total = request.stop_conditions.max_tokens or 16
+        row = self._row.get(k or 0) or self._row[20][: k or 0]
+        for i in range(total):
+            await asyncio.sleep(0)  # a step boundary: other requests' steps interleave
+            last = i == total - 1
+            yield EngineStep(
+                None,
+                [
+                    ChoiceDelta(
+                        0,
+                        [101],
+                        None if k is None else [-0.1],
+                        None if k is None else [row],
+                        "length" if last else None,
+                    )
+                ],
+            )
+
+    async def abort(self, engine_request_id: str) -> None:
+        pass
+
+    def num_unfinished_requests(self) -> int:
+        return 0
+
+    async def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+async def _record(nc, subject: str, request: GenerateRequest) -> list[bytes]:
+    """The worker's frames for one request, as bytes on the wire."""
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    await nc.publish(subject, MSGPACK.encode(request), reply=inbox)
+    frames: list[bytes] = []
+    while True:
+        msg = await subscription.next_msg(timeout=10)
+        if msg.data:
+            frames.append(msg.data)
+            if MSGPACK.decode_frame(msg.data).finish_reason is not None:
+                break
+    await subscription.unsubscribe()
+    return frames
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    from worker.service import Worker
+    from worker.transport import connect
+
+    server = NatsServer().start()
+    subjects = Subjects("bench", "synthetic", "generate")
+    worker_nc = await connect(NatsConfig(servers=[server.url]))
+    worker = Worker(
+        SyntheticFastEngine(),
+        worker_nc,
+        WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects),
+    )
+    await worker.start()
+    client = await nats.connect(server.url)
+    reader = NatsSender(client, subjects.generate)
+    await reader.start()
+    token_prompts = prompts(64, 32, 1024)
+    recorded = await _record(
+        client, subjects.generate, make_request(token_prompts[0], args.max_tokens, args.logprobs)
+    )
+
+    async def raw(request: GenerateRequest) -> tuple[float, int]:
+        return await reader.replay(request, recorded)
+
+    sides = {"worker": reader, "raw nats-py": raw}
+    samples: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
+        for side in order:
+            before = reader.frames
+            start = time.perf_counter()
+            result = await run(
+                sides[side],
+                token_prompts,
+                concurrency=args.streams,
+                requests_per_stream=args.requests_per_stream,
+                max_tokens=args.max_tokens,
+                logprobs=args.logprobs,
+            )
+            elapsed = time.perf_counter() - start
+            if repeat:
+                samples[side].append(((reader.frames - before) / elapsed, result.tokens_per_s))
+    ratios = [w[0] / r[0] for w, r in zip(samples["worker"], samples["raw nats-py"], strict=True)]
+    rows = [
+        [side, median([s[0] for s in values]), median([s[1] for s in values])]
+        for side, values in samples.items()
+    ]
+    print(table(["side", "frames/s", "tokens/s"], rows))
+    ratio = median(ratios)
+    print(
+        f"worker ÷ raw: {ratio:.3f} (goal ≥ {GOAL}: {'met' if ratio >= GOAL else 'MISSED'}); "
+        f"{args.streams} streams × {args.requests_per_stream} requests × {args.max_tokens} "
+        f"tokens, logprobs {args.logprobs}, {len(recorded[1])} bytes per token frame"
+    )
+    print(
+        "wrote",
+        write_json(
+            "p3_transport",
+            {
+                "settings": vars(args),
+                "goal": GOAL,
+                "ratio": ratio,
+                "ratios": ratios,
+                "samples": samples,
+            },
+        ),
+    )
+    await reader.stop()
+    await client.close()
+    await worker.stop()
+    await worker_nc.close()
+    server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--requests-per-stream", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--logprobs", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
