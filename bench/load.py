@@ -123,26 +123,34 @@ class NatsSender:
             state[3].set_result(None)
 
     async def __call__(self, request: GenerateRequest) -> tuple[float, int]:
-        inbox = f"{self.prefix}.{request.request_id}"
-        done = asyncio.get_running_loop().create_future()
-        state = [time.perf_counter(), None, 0, done]
-        self._open[inbox] = state
-        await self.nc.publish(self.subject, MSGPACK.encode(request), reply=inbox)
-        await asyncio.wait_for(done, 300)
-        del self._open[inbox]
-        return state[1] - state[0], state[2]
+        async def send(inbox: str) -> None:
+            await self.nc.publish(self.subject, MSGPACK.encode(request), reply=inbox)
+
+        return await self._answer(request, send)
 
     async def replay(self, request: GenerateRequest, frames: list[bytes]) -> tuple[float, int]:
         """The transport baseline: publishes recorded frame bytes to a fresh inbox from this
         process, with no worker, and reads them back exactly as `__call__` reads a worker's."""
+
+        async def send(inbox: str) -> None:
+            for data in frames:
+                await self.nc.publish(inbox, data)
+
+        return await self._answer(request, send)
+
+    async def _answer(
+        self, request: GenerateRequest, send: Callable[[str], Awaitable[None]]
+    ) -> tuple[float, int]:
+        """(TTFT, tokens) of one request whose frames arrive on its own inbox."""
         inbox = f"{self.prefix}.{request.request_id}"
         done = asyncio.get_running_loop().create_future()
         state = [time.perf_counter(), None, 0, done]
         self._open[inbox] = state
-        for data in frames:
-            await self.nc.publish(inbox, data)
-        await asyncio.wait_for(done, 300)
-        del self._open[inbox]
+        try:
+            await send(inbox)
+            await asyncio.wait_for(done, 300)
+        finally:
+            del self._open[inbox]
         return state[1] - state[0], state[2]
 
     async def stop(self) -> None:

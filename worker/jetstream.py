@@ -58,10 +58,6 @@ class JetStreamSettings:
     fetch_timeout_s: float = 1.0
 
 
-def queue_subject(subjects: Subjects) -> str:
-    return subjects.queue
-
-
 def stream_name(subjects: Subjects, settings: JetStreamSettings) -> str:
     if settings.stream:
         return settings.stream
@@ -72,7 +68,7 @@ def stream_name(subjects: Subjects, settings: JetStreamSettings) -> str:
 async def ensure_stream_and_consumer(js, subjects: Subjects, settings: JetStreamSettings) -> str:
     """Creates the stream and consumer, or checks existing ones; returns the stream name."""
     name = stream_name(subjects, settings)
-    subject = queue_subject(subjects)
+    subject = subjects.queue
     try:
         info = await js.stream_info(name)
     except NotFoundError:
@@ -155,7 +151,7 @@ class JetStreamIntake:
         self._task = asyncio.create_task(self._pull())
         log.info(
             "jetstream: pulling %s (stream %s, consumer %s) up to %d at once",
-            queue_subject(subjects),
+            subjects.queue,
             stream,
             self.settings.durable,
             self.capacity,
@@ -218,7 +214,7 @@ class JetStreamIntake:
                 msg.headers,
                 reply,
                 publish,
-                queue_subject(self.worker.config.subjects),
+                self.worker.config.subjects.queue,
                 time.monotonic_ns(),
                 attempt=attempt,
                 final_attempt=attempt >= self.settings.max_deliver,
