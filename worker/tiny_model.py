@@ -19,8 +19,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# Bump when the recipe changes: the cache key must change with the weights.
-RECIPE_VERSION = 1
+# Bump when the recipe changes: the cache key must change with the saved files.
+# 2: the tokenizer has a chat template (the OpenAI frontend's /v1/chat/completions needs one).
+RECIPE_VERSION = 2
 HIDDEN_SIZE = 128
 NUM_HEADS = 4  # head_dim 32: the smallest head size vLLM's CPU attention supports
 NUM_KV_HEADS = 2
@@ -31,6 +32,13 @@ TARGET_VOCAB = 1024
 # peaked, so greedy choices are not decided by float noise between engines.
 LM_HEAD_SCALE = 30.0
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+# A plain role-tagged layout: one line per message, then the assistant's tag. vLLM's OpenAI
+# server and this project's frontend both render it, so their prompts are the same token ids.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "[{{ message['role'] }}] {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 
 
 def default_cache_dir() -> Path:
@@ -99,6 +107,7 @@ def build(target: Path, seed: int = 0) -> None:
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    hf_tok.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
         vocab_size=tok.get_vocab_size(),
         hidden_size=HIDDEN_SIZE,
