@@ -180,3 +180,42 @@ class DirectSender:
                 first = time.perf_counter()
             tokens += new
         return (first or time.perf_counter()) - start, tokens
+
+
+class OpenAISender:
+    """The P2 peer: the same request as a streamed `/v1/completions` call to vLLM's own OpenAI
+    server (prompt as token ids, greedy, ignore_eos, logprobs as asked). Its chunks carry text
+    (and, with logprobs, token strings and top-k maps); ours carry token ids and rows."""
+
+    def __init__(self, session, base_url: str, model: str) -> None:  # session: aiohttp
+        self.session = session
+        self.url = f"{base_url}/completions"
+        self.model = model
+
+    async def __call__(self, request: GenerateRequest) -> tuple[float, int]:
+        body: dict = {
+            "model": self.model,
+            "prompt": request.token_ids,
+            "max_tokens": request.stop_conditions.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if request.output_options.logprobs is not None:
+            body["logprobs"] = request.output_options.logprobs
+        start = time.perf_counter()
+        first = None
+        tokens = 0
+        async with self.session.post(self.url, json=body) as answer:
+            answer.raise_for_status()
+            async for line in answer.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = msgspec.json.decode(line[6:])
+                if first is None and any(c.get("text") for c in chunk.get("choices") or ()):
+                    first = time.perf_counter()
+                usage = chunk.get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
+        return (first or time.perf_counter()) - start, tokens

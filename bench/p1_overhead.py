@@ -5,8 +5,9 @@ with the worker's own SamplingParams; the worker side sends it over a real nats-
 (loopback) to a `Worker` on that same engine, which builds logprob rows, encodes frames and
 publishes them, and the load generator decodes every frame. Runs alternate between the sides
 (order flipped each repeat); ratios are per repeat, then the median.
-The load generator shares the worker's process and event loop, so its cost is billed to the
-worker side: the ratio is a lower bound.
+By default the load generator shares the worker's process and event loop, so its cost is billed
+to the worker side: the ratio is a lower bound. With `--load-process` it runs in a process of its
+own (bench.load_process), as a frontend would; use that where there are cores to spare.
 
     python -m bench.p1_overhead [--concurrency 1,8,32] [--logprobs off,5,20] [--max-tokens 64]
         [--repeats 3] [--requests-per-stream 4] [vLLM engine args, e.g. --model PATH]
@@ -27,6 +28,7 @@ import nats
 
 from bench.common import median, table, write_json
 from bench.load import DirectSender, NatsSender, prompts, run
+from bench.load_process import LoadProcess
 from messages.subjects import Subjects
 from worker.cli import build_parser, engine_args
 from worker.config import NatsConfig, WorkerConfig
@@ -45,6 +47,11 @@ def _parse(argv: list[str]):
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--requests-per-stream", type=int, default=8)
     bench.add_argument("--name", default="p1_overhead", help="JSON file name under bench/out")
+    bench.add_argument(
+        "--load-process",
+        action="store_true",
+        help="drive the worker from a load generator in its own process",
+    )
     return parser.parse_args(argv)
 
 
@@ -67,11 +74,25 @@ async def main_async(argv: list[str]) -> None:
     client = await nats.connect(server.url)
     via_nats = NatsSender(client, subjects.generate)
     await via_nats.start()
+    load = None
+    if args.load_process:
+        load = LoadProcess(client, server.url, subjects.generate).start()
     direct = DirectSender(engine)
     sides = {"direct": direct, "worker": via_nats}
     token_prompts = prompts(256, args.prompt_len, engine.limits.vocab_size)
 
     async def once(side: str, concurrency: int, logprobs: int | None, per_stream: int):
+        if side == "worker" and load is not None:
+            result, _ = await load.run(
+                prompt_count=len(token_prompts),
+                prompt_len=args.prompt_len,
+                vocab=engine.limits.vocab_size,
+                concurrency=concurrency,
+                requests_per_stream=per_stream,
+                max_tokens=args.max_tokens,
+                logprobs=logprobs,
+            )
+            return result
         return await run(
             sides[side],
             token_prompts,
@@ -168,6 +189,8 @@ async def main_async(argv: list[str]) -> None:
     settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))}
     print("wrote", write_json(args.name, {"settings": settings, "goal": GOAL, "results": results}))
     await via_nats.stop()
+    if load is not None:
+        await load.stop()
     await client.close()
     await worker.stop()
     await worker_nc.close()

@@ -1,0 +1,119 @@
+"""A load generator in its own process, driven over NATS: the worker side's client then does not
+share the worker's event loop (or its core), as a real frontend would not.
+
+The parent sends a run's settings as a NATS request to `<control>`; this process runs
+`bench.load.run` with a `NatsSender` against the worker and answers with the RunResult. Prompts
+are rebuilt from (count, length, vocab, seed), so both processes use the same ones.
+
+    python -m bench.load_process --nats-url URL --subject SUBJECT --control SUBJECT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+from typing import Any
+
+import msgspec
+import nats
+
+from bench.load import NatsSender, RunResult, prompts, run
+
+
+class RunSpec(msgspec.Struct):
+    prompt_count: int
+    prompt_len: int
+    vocab: int
+    concurrency: int
+    requests_per_stream: int
+    max_tokens: int
+    logprobs: int | None
+
+
+class RunAnswer(msgspec.Struct):
+    wall_s: float
+    tokens: int
+    ttft_s: list[float]
+    frames: int
+
+
+async def serve(nats_url: str, subject: str, control: str) -> None:
+    nc = await nats.connect(nats_url)
+    sender = NatsSender(nc, subject)
+    await sender.start()
+    done = asyncio.Event()
+
+    async def on_run(msg) -> None:
+        if not msg.data:
+            done.set()
+            await msg.respond(b"")
+            return
+        spec = msgspec.json.decode(msg.data, type=RunSpec)
+        before = sender.frames
+        result = await run(
+            sender,
+            prompts(spec.prompt_count, spec.prompt_len, spec.vocab),
+            concurrency=spec.concurrency,
+            requests_per_stream=spec.requests_per_stream,
+            max_tokens=spec.max_tokens,
+            logprobs=spec.logprobs,
+        )
+        answer = RunAnswer(result.wall_s, result.tokens, result.ttft_s, sender.frames - before)
+        await msg.respond(msgspec.json.encode(answer))
+
+    await nc.subscribe(control, cb=on_run)
+    await nc.flush()
+    print("ready", flush=True)
+    await done.wait()
+    await sender.stop()
+    await nc.drain()
+
+
+class LoadProcess:
+    """The parent's handle: `await load.run(spec)` → RunResult measured in the child."""
+
+    def __init__(self, nc, nats_url: str, subject: str) -> None:
+        self.nc = nc
+        self.control = f"_bench.control.{os.getpid()}"
+        self._argv = [
+            sys.executable, "-m", "bench.load_process",
+            "--nats-url", nats_url, "--subject", subject, "--control", self.control,
+        ]  # fmt: skip
+        self._process: subprocess.Popen[str] | None = None
+
+    def start(self) -> LoadProcess:
+        self._process = subprocess.Popen(self._argv, stdout=subprocess.PIPE, text=True)
+        assert self._process.stdout is not None
+        if self._process.stdout.readline().strip() != "ready":
+            raise RuntimeError("the load process did not start")
+        return self
+
+    async def run(self, **spec: Any) -> tuple[RunResult, int]:
+        msg = await self.nc.request(
+            self.control, msgspec.json.encode(RunSpec(**spec)), timeout=1800
+        )
+        answer = msgspec.json.decode(msg.data, type=RunAnswer)
+        return RunResult(answer.wall_s, answer.tokens, answer.ttft_s), answer.frames
+
+    async def stop(self) -> None:
+        if self._process is None:
+            return
+        await self.nc.request(self.control, b"", timeout=30)
+        self._process.wait(timeout=30)
+        self._process = None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nats-url", required=True)
+    parser.add_argument("--subject", required=True)
+    parser.add_argument("--control", required=True)
+    args = parser.parse_args()
+    asyncio.run(serve(args.nats_url, args.subject, args.control))
+
+
+if __name__ == "__main__":
+    main()
