@@ -31,6 +31,7 @@ from bench.load import DirectSender, NatsSender, prompts, run
 from bench.load_process import LoadProcess
 from messages.subjects import Subjects
 from worker.cli import build_parser, engine_args
+from worker.client import wait_for_worker
 from worker.config import NatsConfig, WorkerConfig
 from worker.embedded import NatsServer
 
@@ -52,6 +53,13 @@ def _parse(argv: list[str]):
         action="store_true",
         help="drive the worker from a load generator in its own process",
     )
+    bench.add_argument(
+        "--external-worker",
+        metavar="NATS_URL",
+        help="drive a worker already serving on this NATS server (e.g. one started by its own "
+        "CLI with the same engine args) instead of one on this process's engine",
+    )
+    bench.add_argument("--external-subject", default="llm.vllm.generate")
     return parser.parse_args(argv)
 
 
@@ -64,19 +72,27 @@ async def main_async(argv: list[str]) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     logprob_levels = [None if v == "off" else int(v) for v in args.logprobs.split(",")]
     engine = await VllmEngine.start(engine_args(args))
-    server = NatsServer().start()
-    subjects = Subjects("bench", "vllm", "generate")
-    worker_nc = await connect(NatsConfig(servers=[server.url]))
-    worker = Worker(
-        engine, worker_nc, WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects)
-    )
-    await worker.start()
-    client = await nats.connect(server.url)
-    via_nats = NatsSender(client, subjects.generate)
+    server = worker = worker_nc = None
+    if args.external_worker:
+        # Its own process and engine: the baseline's engine here idles while it is measured.
+        url, subject = args.external_worker, args.external_subject
+    else:
+        server = NatsServer().start()
+        url, subject = server.url, Subjects("bench", "vllm", "generate").generate
+        config = WorkerConfig(
+            nats=NatsConfig(servers=[url]), subjects=Subjects(*subject.split("."))
+        )
+        worker_nc = await connect(config.nats)
+        worker = Worker(engine, worker_nc, config)
+        await worker.start()
+    client = await nats.connect(url)
+    if not await wait_for_worker(client, 600):
+        raise SystemExit(f"no worker answers on {url}")
+    via_nats = NatsSender(client, subject)
     await via_nats.start()
     load = None
     if args.load_process:
-        load = LoadProcess(client, server.url, subjects.generate).start()
+        load = LoadProcess(client, url, subject).start()
     direct = DirectSender(engine)
     sides = {"direct": direct, "worker": via_nats}
     token_prompts = prompts(256, args.prompt_len, engine.limits.vocab_size)
@@ -192,10 +208,11 @@ async def main_async(argv: list[str]) -> None:
     if load is not None:
         await load.stop()
     await client.close()
-    await worker.stop()
-    await worker_nc.close()
+    if worker is not None:
+        await worker.stop()
+        await worker_nc.close()
+        server.stop()
     engine.shutdown()
-    server.stop()
 
 
 def main() -> None:
