@@ -5,17 +5,27 @@ publishing (so no frame can be missed), checks `seq` order, enforces a per-frame
 stops at the request's end: every choice finished, or one error frame. A caller that stops
 iterating early (break, cancellation, an exception) cancels the request on the workers, so the
 engine is freed at once. Empty messages are the worker's liveness probes and are skipped.
+
+A retryable refusal (`overloaded`, `worker_shutdown`) that comes before anything was yielded is
+retried on another worker: `discover_workers` asks the workers' NATS micro STATS which instances
+serve the subject and how busy they are, and the next attempt goes to the least busy one with
+free capacity on its instance subject, never to one that already refused. A draining worker has
+stopped its micro service, so it is not discovered at all.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
 from messages.codec import JSON, MSGPACK, Codec
-from messages.frames import ResponseFrame, TopLogprob, Usage
+from messages.frames import ErrorInfo, ResponseFrame, TopLogprob, Usage
 from messages.request import CancelRequest, GenerateRequest
 from messages.subjects import CANCEL_TOKEN, Subjects
 
@@ -29,6 +39,63 @@ class RequestError(RuntimeError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+@dataclass
+class _ReadState:
+    ended: bool = False
+    """True once the request's last frame was read (so leaving early needs no cancel)."""
+
+
+async def _read_frames(
+    subscription: Subscription,
+    codec: Codec,
+    choices: int,
+    timeout: float,
+    state: _ReadState,
+    *,
+    attempts: bool = False,
+) -> AsyncIterator[ResponseFrame]:
+    """The one reader loop: frames in `seq` order until every choice finished or an error frame.
+
+    `attempts` (JetStream): a frame of a newer delivery attempt restarts the count at seq 0; late
+    frames of an older attempt are skipped. `state.ended` is set before the last frame is
+    yielded, so a caller that stops at that frame does not cancel a request that is over.
+    """
+    attempt = 0
+    expected_seq = 0
+    finished: set[int] = set()
+    while True:
+        msg = await subscription.next_msg(timeout=timeout)
+        if not msg.data:
+            continue  # the worker's liveness probe
+        frame = codec.decode_frame(msg.data)
+        if attempts:
+            frame_attempt = frame.attempt or 0
+            if frame_attempt < attempt:
+                continue
+            if frame_attempt > attempt:
+                attempt, expected_seq = frame_attempt, 0
+                finished.clear()
+        if frame.seq != expected_seq:
+            where = f"attempt {attempt}: " if attempts else ""
+            raise FrameOrderError(f"{where}expected seq {expected_seq}, got {frame.seq}")
+        expected_seq += 1
+        if frame.finish_reason == "error":
+            state.ended = True
+        elif frame.finish_reason is not None:
+            finished.add(frame.index)
+            state.ended = len(finished) >= choices
+        yield frame
+        if state.ended:
+            return
+
+
+async def _publish_cancel(nc: NATS, cancel_subject: str, request_id: str) -> None:
+    try:
+        await nc.publish(cancel_subject, MSGPACK.encode(CancelRequest(request_id=request_id)))
+    except Exception:  # connection gone: the worker's liveness probe notices instead
+        pass
 
 
 async def stream_frames(
@@ -49,35 +116,15 @@ async def stream_frames(
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
     headers = {"Content-Type": codec.content_type} if codec is JSON else None
-    ended = False
+    state = _ReadState()
     try:
         await nc.publish(subject, payload, reply=inbox, headers=headers)
-        expected_seq = 0
-        finished: set[int] = set()
-        while True:
-            msg = await subscription.next_msg(timeout=timeout)
-            if not msg.data:
-                continue  # the worker's liveness probe
-            frame = codec.decode_frame(msg.data)
-            if frame.seq != expected_seq:
-                raise FrameOrderError(f"expected seq {expected_seq}, got {frame.seq}")
-            expected_seq += 1
-            if frame.finish_reason == "error":
-                ended = True
-            elif frame.finish_reason is not None:
-                finished.add(frame.index)
-                ended = len(finished) >= choices
-            yield frame
-            if ended:
-                return
+        async with aclosing(_read_frames(subscription, codec, choices, timeout, state)) as frames:
+            async for frame in frames:
+                yield frame
     finally:
-        if not ended and request_id is not None and cancel_subject is not None:
-            try:
-                await nc.publish(
-                    cancel_subject, MSGPACK.encode(CancelRequest(request_id=request_id))
-                )
-            except Exception:  # connection gone: the worker's liveness probe notices instead
-                pass
+        if not state.ended and request_id is not None and cancel_subject is not None:
+            await _publish_cancel(nc, cancel_subject, request_id)
         await subscription.unsubscribe()
 
 
@@ -127,6 +174,78 @@ def fold(request_id: str, frames: list[ResponseFrame], choices: int) -> Completi
     return result
 
 
+RETRYABLE_CODES = frozenset({"overloaded", "worker_shutdown"})
+SERVICE_NAME = "vllm-nats-worker"
+
+
+@dataclass(frozen=True)
+class WorkerInstance:
+    """One worker as its micro STATS describe it."""
+
+    instance_id: str
+    subject: str
+    """Its instance subject (`<generate subject>.<instance_id>`)."""
+    in_flight: int
+    max_concurrency: int | None
+
+    @property
+    def has_capacity(self) -> bool:
+        return self.max_concurrency is None or self.in_flight < self.max_concurrency
+
+
+async def discover_workers(
+    nc: NATS, generate_subject: str, *, window: float = 0.25, name: str = SERVICE_NAME
+) -> list[WorkerInstance]:
+    """Workers that serve `generate_subject`, from every answer to `$SRV.STATS.<name>` that
+    arrives within `window` seconds (micro services answer a discovery request each)."""
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    found: list[WorkerInstance] = []
+    try:
+        await nc.publish(f"$SRV.STATS.{name}", b"", reply=inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + window
+        while (left := deadline - loop.time()) > 0:
+            try:
+                msg = await subscription.next_msg(timeout=left)
+            except Exception:  # nats TimeoutError: the window is over
+                break
+            instance = _instance_from_stats(msg.data, generate_subject)
+            if instance is not None:
+                found.append(instance)
+    finally:
+        await subscription.unsubscribe()
+    return found
+
+
+def _instance_from_stats(data: bytes, generate_subject: str) -> WorkerInstance | None:
+    try:
+        stats = json.loads(data)
+        endpoints = stats.get("endpoints") or []
+        subjects = {e.get("subject"): e for e in endpoints}
+        if generate_subject not in subjects:
+            return None  # a worker of other subjects (or JetStream mode: no core endpoints)
+        instance_id = stats["metadata"]["instance_id"]
+        limit = stats["metadata"].get("max_concurrency", "unlimited")
+        in_flight = int((subjects[generate_subject].get("data") or {}).get("in_flight", 0))
+        return WorkerInstance(
+            instance_id,
+            f"{generate_subject}.{instance_id}",
+            in_flight,
+            None if limit == "unlimited" else int(limit),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _split_subject(subject: str) -> tuple[str, str | None]:
+    """`a.b.c` → (`a.b.c`, None); the instance subject `a.b.c.<id>` → (`a.b.c`, `<id>`)."""
+    tokens = subject.split(".")
+    if len(tokens) == 4:
+        return ".".join(tokens[:3]), tokens[3]
+    return subject, None
+
+
 async def generate(
     nc: NATS,
     request: GenerateRequest,
@@ -134,24 +253,66 @@ async def generate(
     subject: str | None = None,
     codec: Codec = MSGPACK,
     timeout: float = 60.0,
+    retries: int = 2,
+    discovery_window: float = 0.25,
 ) -> AsyncIterator[ResponseFrame]:
     """`async for frame in generate(nc, request)`: the request's frames as they stream.
 
     `subject` is the generate subject (or an instance subject under it); cancels go to the
-    cancel subject of the same namespace/component/endpoint.
+    cancel subject of the same namespace/component/endpoint. A retryable refusal that comes
+    before any frame was yielded is retried up to `retries` times on other workers (see the
+    module's docstring); when none is left, RequestError names the code and every refusal.
+    Any other error frame, and a retryable one after output began, is yielded as it came.
     """
     subject = subject or Subjects().generate
-    async for frame in stream_frames(
-        nc,
-        subject,
-        codec.encode(request),
-        codec=codec,
-        choices=request.sampling_options.n,
-        timeout=timeout,
-        request_id=request.request_id,
-        cancel_subject=cancel_subject_for(subject),
-    ):
-        yield frame
+    base, instance_id = _split_subject(subject)
+    refused: set[str] = set()
+    refusals: list[str] = []
+    last: ErrorInfo | None = None
+    target = subject
+    attempts = 0
+    for attempt in range(retries + 1):
+        attempts += 1
+        yielded = False
+        refusal: ErrorInfo | None = None
+        async with aclosing(
+            stream_frames(
+                nc,
+                target,
+                codec.encode(request),
+                codec=codec,
+                choices=request.sampling_options.n,
+                timeout=timeout,
+                request_id=request.request_id,
+                cancel_subject=cancel_subject_for(target),
+            )
+        ) as frames:
+            async for frame in frames:
+                if not yielded and frame.error and frame.error.code in RETRYABLE_CODES:
+                    refusal = frame.error
+                    break
+                yielded = True
+                yield frame
+        if refusal is None:
+            return
+        last = refusal
+        refusals.append(f"{instance_id or 'queue group ' + base}: {refusal.message}")
+        if instance_id is not None:
+            refused.add(instance_id)
+        if attempt == retries:
+            break
+        candidates = [
+            worker
+            for worker in await discover_workers(nc, base, window=discovery_window)
+            if worker.instance_id not in refused and worker.has_capacity
+        ]
+        if not candidates:
+            refusals.append("no other worker with free capacity")
+            break
+        chosen = min(candidates, key=lambda worker: worker.in_flight)
+        target, instance_id = chosen.subject, chosen.instance_id
+    assert last is not None
+    raise RequestError(last.code, f"refused after {attempts} attempt(s): " + "; ".join(refusals))
 
 
 def cancel_subject_for(subject: str) -> str:
@@ -167,8 +328,14 @@ async def complete(
     subject: str | None = None,
     codec: Codec = MSGPACK,
     timeout: float = 60.0,
+    retries: int = 2,
 ) -> Completion:
-    frames = [f async for f in generate(nc, request, subject=subject, codec=codec, timeout=timeout)]
+    frames = [
+        f
+        async for f in generate(
+            nc, request, subject=subject, codec=codec, timeout=timeout, retries=retries
+        )
+    ]
     return fold(request.request_id, frames, request.sampling_options.n)
 
 
@@ -193,44 +360,18 @@ async def jetstream_generate(
     headers = {REPLY_HEADER: inbox}
     if codec is JSON:
         headers["Content-Type"] = codec.content_type
-    ended = False
+    state = _ReadState()
     try:
         await nc.jetstream().publish(subjects.queue, codec.encode(request), headers=headers)
-        attempt = 0
-        expected_seq = 0
-        finished: set[int] = set()
-        while True:
-            msg = await subscription.next_msg(timeout=timeout)
-            if not msg.data:
-                continue  # the worker's liveness probe
-            frame = codec.decode_frame(msg.data)
-            frame_attempt = frame.attempt or 0
-            if frame_attempt < attempt:
-                continue
-            if frame_attempt > attempt:
-                attempt, expected_seq = frame_attempt, 0
-                finished.clear()
-            if frame.seq != expected_seq:
-                raise FrameOrderError(
-                    f"attempt {attempt}: expected seq {expected_seq}, got {frame.seq}"
-                )
-            expected_seq += 1
-            if frame.finish_reason == "error":
-                ended = True
-            elif frame.finish_reason is not None:
-                finished.add(frame.index)
-                ended = len(finished) >= request.sampling_options.n
-            yield frame
-            if ended:
-                return
+        reader = _read_frames(
+            subscription, codec, request.sampling_options.n, timeout, state, attempts=True
+        )
+        async with aclosing(reader) as frames:
+            async for frame in frames:
+                yield frame
     finally:
-        if not ended:
-            try:
-                await nc.publish(
-                    subjects.cancel, MSGPACK.encode(CancelRequest(request_id=request.request_id))
-                )
-            except Exception:
-                pass
+        if not state.ended:
+            await _publish_cancel(nc, subjects.cancel, request.request_id)
         await subscription.unsubscribe()
 
 
@@ -292,6 +433,12 @@ def _parse_args(argv: list[str] | None):  # -> argparse.Namespace
     parser.add_argument("--json", action="store_true", help="send and receive JSON, not msgpack")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait per frame")
     parser.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="retries of an overloaded/worker_shutdown refusal on other workers",
+    )
+    parser.add_argument(
         "--wait",
         type=float,
         default=0.0,
@@ -329,13 +476,15 @@ async def _main(argv: list[str] | None) -> int:
         if args.wait > 0 and not await wait_for_worker(nc, args.wait):
             print(f"no worker answered $SRV.PING within {args.wait}s")
             return 1
-        async for frame in generate(
+        frames = generate(
             nc,
             request,
             subject=args.subject,
             codec=JSON if args.json else MSGPACK,
             timeout=args.timeout,
-        ):
+            retries=args.retries,
+        )
+        async for frame in _report_refusal(frames):
             rows = frame.top_logprobs or [[] for _ in frame.token_ids]
             values = frame.log_probs or [None] * len(frame.token_ids)
             for token_id, logprob, row in zip(frame.token_ids, values, rows, strict=True):
@@ -353,6 +502,17 @@ async def _main(argv: list[str] | None) -> int:
         return 0
     finally:
         await nc.close()
+
+
+async def _report_refusal(frames: AsyncIterator[ResponseFrame]) -> AsyncIterator[ResponseFrame]:
+    """The frames; a refusal that outlasted every retry becomes one last error frame."""
+    try:
+        async for frame in frames:
+            yield frame
+    except RequestError as error:
+        yield ResponseFrame(
+            request_id="", seq=-1, finish_reason="error", error=ErrorInfo(error.code, error.message)
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
