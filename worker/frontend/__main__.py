@@ -1,0 +1,59 @@
+"""`python -m worker.frontend --nats-url URL --model PATH [--subject S] [--port P]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from messages.subjects import Subjects
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.frontend",
+        description="OpenAI-compatible HTTP frontend for vLLM NATS workers.",
+    )
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument(
+        "--model", required=True, help="the model's directory (its tokenizer is loaded)"
+    )
+    parser.add_argument(
+        "--served-model-name", help="the name clients send as `model` (default: --model)"
+    )
+    parser.add_argument("--subject", default=Subjects().generate, help="the generate subject")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait per frame")
+    parser.add_argument(
+        "--retries", type=int, default=2, help="retries of a refused request on other workers"
+    )
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import nats
+    import uvicorn
+
+    from worker.frontend.app import FrontendSettings, create_app
+    from worker.frontend.tokenizer import ModelTokenizer
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    settings = FrontendSettings(
+        model_name=args.served_model_name or args.model,
+        subject=args.subject,
+        timeout_s=args.timeout,
+        retries=args.retries,
+    )
+
+    async def connect() -> nats.aio.client.Client:
+        return await nats.connect(args.nats_url.split(","), max_reconnect_attempts=-1)
+
+    app = create_app(settings, ModelTokenizer.load(args.model), connect=connect)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Frames → OpenAI's shapes: choices, logprobs, chunks, usage.
+
+Invariants carried over from the wire (messages/frames.py): a frame's `log_probs` and
+`top_logprobs` rows are aligned with its `token_ids`, and each row holds the top k candidates in
+rank order followed by the chosen token when its rank is above k. So:
+- chat `top_logprobs` = the row's first k entries (exactly the requested length);
+- completions `top_logprobs` = the whole row as a map (k entries, or k + 1 when the chosen token
+  is not among the top k: OpenAI's and vLLM's "top logprobs plus the sampled one").
+`token`/`bytes` are the wire's: the true bytes of the token and their UTF-8 text, or the
+vocabulary piece (`<0xE2>`) when a lone byte is not valid UTF-8. JSON has no -inf: logprobs are
+floored at -9999.0 as vLLM's server does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from messages.frames import ResponseFrame, TopLogprob
+from worker.frontend.tokenizer import ModelTokenizer
+
+LOGPROB_FLOOR = -9999.0
+
+# Wire finish reasons → OpenAI's. `cancelled` (deadline, cancel) has no OpenAI name; vLLM's
+# server says "abort" for an aborted request, and so does this frontend.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+def openai_finish_reason(wire: str | None) -> str | None:
+    return None if wire is None else FINISH_REASONS.get(wire, wire)
+
+
+def floor_logprob(value: float | None) -> float:
+    return LOGPROB_FLOOR if value is None or value < LOGPROB_FLOOR else value
+
+
+def _chosen(row: list[TopLogprob], token_id: int) -> TopLogprob:
+    return next(entry for entry in row if entry.token_id == token_id)
+
+
+def _steps(frame: ResponseFrame) -> list[tuple[int, float | None, list[TopLogprob] | None]]:
+    """(token id, logprob, row) per generated token of the frame; None where not asked."""
+    values = frame.log_probs or [None] * len(frame.token_ids)
+    rows = frame.top_logprobs or [None] * len(frame.token_ids)
+    return list(zip(frame.token_ids, values, rows, strict=True))
+
+
+def chat_logprob_entry(
+    token_id: int, logprob: float | None, row: list[TopLogprob], k: int
+) -> dict[str, Any]:
+    chosen = _chosen(row, token_id)
+    return {
+        "token": chosen.token,
+        "logprob": floor_logprob(logprob),
+        "bytes": list(chosen.bytes),
+        "top_logprobs": [
+            {"token": e.token, "logprob": floor_logprob(e.logprob), "bytes": list(e.bytes)}
+            for e in row[:k]
+        ],
+    }
+
+
+@dataclass
+class ChatChoice:
+    """One chat choice being assembled, frame by frame."""
+
+    index: int
+    tokenizer: ModelTokenizer
+    top_logprobs: int | None  # None: logprobs were not asked
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self._decoder = self.tokenizer.text_decoder()
+
+    def add(self, frame: ResponseFrame) -> tuple[str, list[dict[str, Any]]]:
+        """The frame's new text and logprob entries (also kept for the whole answer)."""
+        delta, entries = "", []
+        for token_id, logprob, row in _steps(frame):
+            delta += self._decoder.feed(token_id)
+            if self.top_logprobs is not None and row is not None:
+                entries.append(chat_logprob_entry(token_id, logprob, row, self.top_logprobs))
+        self.completion_tokens += len(frame.token_ids)
+        if frame.finish_reason is not None:
+            delta += self._decoder.finish()
+            self.finish_reason = openai_finish_reason(frame.finish_reason)
+        self.text += delta
+        self.logprobs += entries
+        return delta, entries
+
+    def message(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "message": {"role": "assistant", "content": self.text},
+            "logprobs": {"content": self.logprobs} if self.top_logprobs is not None else None,
+            "finish_reason": self.finish_reason,
+        }
+
+
+def empty_completion_logprobs() -> dict[str, list[Any]]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+@dataclass
+class PromptEcho:
+    """`echo`: the prompt's text, and with logprobs its per-position entries (OpenAI's shape:
+    position 0 has a null logprob and null top_logprobs, nothing precedes it)."""
+
+    text: str
+    logprobs: dict[str, list[Any]] | None
+
+
+def prompt_echo(
+    tokenizer: ModelTokenizer,
+    prompt_ids: list[int],
+    prompt_text: str | None,
+    log_probs: list[float | None],
+    rows: list[list[TopLogprob] | None],
+    with_logprobs: bool,
+) -> PromptEcho:
+    decoder = tokenizer.text_decoder()
+    starts = []
+    for token_id in prompt_ids:
+        starts.append(len(decoder.text))
+        decoder.feed(token_id)
+    decoder.finish()
+    text = prompt_text if prompt_text is not None else decoder.text
+    # Tokenizers that prepend a space (Metaspace) decode "Hi" as " Hi": offsets count in the
+    # text the response returns, so shift by what the decoded prompt has in front of it.
+    shift = len(decoder.text) - len(text) if decoder.text.endswith(text) else 0
+    if not with_logprobs:
+        return PromptEcho(text, None)
+    logprobs = empty_completion_logprobs()
+    for position, token_id in enumerate(prompt_ids):
+        row = rows[position] if position < len(rows) else None
+        value = log_probs[position] if position < len(log_probs) else None
+        logprobs["tokens"].append(
+            _chosen(row, token_id).token if row else tokenizer.token_text(token_id)
+        )
+        logprobs["token_logprobs"].append(None if row is None else floor_logprob(value))
+        logprobs["top_logprobs"].append(
+            None if row is None else {e.token: floor_logprob(e.logprob) for e in row}
+        )
+        logprobs["text_offset"].append(max(0, starts[position] - shift))
+    return PromptEcho(text, logprobs)
+
+
+@dataclass
+class CompletionChoice:
+    """One completions choice being assembled. `text_offset` is where each token's text starts
+    in the choice's `text` (echoed prompt included)."""
+
+    index: int
+    tokenizer: ModelTokenizer
+    logprobs_k: int | None  # None: logprobs were not asked
+    echo: PromptEcho | None = None
+    text: str = ""
+    logprobs: dict[str, list[Any]] = field(default_factory=empty_completion_logprobs)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    _echoed: bool = False
+
+    def __post_init__(self) -> None:
+        self._decoder = self.tokenizer.text_decoder()
+
+    def add(self, frame: ResponseFrame) -> tuple[str, dict[str, list[Any]]]:
+        """The frame's new text and logprobs (the echoed prompt in front, on the first frame)."""
+        delta, logprobs = "", empty_completion_logprobs()
+        if not self._echoed:
+            self._echoed = True
+            if self.echo is not None:
+                delta = self.echo.text
+                if self.echo.logprobs is not None:
+                    logprobs = {key: list(value) for key, value in self.echo.logprobs.items()}
+        base = len(self.echo.text) if self.echo is not None else 0
+        for token_id, logprob, row in _steps(frame):
+            offset = base + len(self._decoder.text)
+            delta += self._decoder.feed(token_id)
+            if self.logprobs_k is not None and row is not None:
+                logprobs["tokens"].append(_chosen(row, token_id).token)
+                logprobs["token_logprobs"].append(floor_logprob(logprob))
+                logprobs["top_logprobs"].append({e.token: floor_logprob(e.logprob) for e in row})
+                logprobs["text_offset"].append(offset)
+        self.completion_tokens += len(frame.token_ids)
+        if frame.finish_reason is not None:
+            delta += self._decoder.finish()
+            self.finish_reason = openai_finish_reason(frame.finish_reason)
+        self.text += delta
+        for key, values in logprobs.items():
+            self.logprobs[key] += values
+        return delta, logprobs
+
+    def choice(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "text": self.text,
+            "logprobs": self.logprobs if self.logprobs_k is not None else None,
+            "finish_reason": self.finish_reason,
+        }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

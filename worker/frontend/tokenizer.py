@@ -1,0 +1,83 @@
+"""The model's tokenizer, as the frontend needs it: prompts in, text out.
+
+Text is built from the true bytes of each token (`worker.tokens.TokenTable`, the same table the
+worker uses for `token`/`bytes`), so the text a response returns is exactly the UTF-8 decoding
+of its tokens' bytes. Special tokens (e.g. `</s>`) are left out of the text, as vLLM's
+`skip_special_tokens=True` default does, but keep their logprob entries.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker.tokens import TokenTable
+
+
+class ChatTemplateMissing(ValueError):
+    """The tokenizer has no chat template, so /v1/chat/completions cannot render messages."""
+
+
+@dataclass
+class ModelTokenizer:
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    table: TokenTable
+    special_ids: frozenset[int]
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelTokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        # The table covers every id the tokenizer knows (the worker's covers the model's padded
+        # vocabulary too; ids beyond the tokenizer have empty text and bytes in both).
+        table = TokenTable.from_tokenizer(tokenizer, len(tokenizer))
+        return cls(tokenizer, table, frozenset(tokenizer.all_special_ids))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Completions: special tokens added the way the tokenizer's own config says (vLLM too)."""
+        return list(self.tokenizer(text).input_ids)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template rendered with the assistant's generation prompt, then encoded
+        without extra special tokens: the template already holds them (vLLM does the same)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ChatTemplateMissing("the model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.table.texts[token_id] if token_id < len(self.table) else ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.table.byte_values[token_id] if token_id < len(self.table) else b""
+
+    def text_decoder(self) -> TextDecoder:
+        return TextDecoder(self)
+
+
+class TextDecoder:
+    """Token ids → text, incrementally. A multi-byte character split over byte-fallback tokens
+    appears once its last byte arrived; bytes that never complete a character become U+FFFD at
+    `finish()`, the only place that can know they never will."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+
+    def feed(self, token_id: int) -> str:
+        if token_id in self._tokenizer.special_ids:
+            return ""
+        delta = self._utf8.decode(self._tokenizer.token_bytes(token_id))
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        delta = self._utf8.decode(b"", final=True)
+        self.text += delta
+        return delta
