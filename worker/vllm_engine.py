@@ -6,7 +6,8 @@ The only module that imports vllm. It runs the same code on vLLM 0.24 (GPU) and 
 Speed choices (measured on the GPU, see ../shared/gpu/README.md): outputs are DELTA (no
 cumulative re-slicing), logprobs are asked `flat_logprobs=True` (a constant number of Python
 objects per step) and `detokenize=False` (text is the frontend's job; `token`/`bytes` come from the
-TokenTable built once here).
+TokenTable built once here). vLLM's merge of pending flat logprobs is replaced by a cheaper one
+with the same result (worker/vllm_fast_merge.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from messages.frames import FinishReason
 from messages.request import GenerateRequest
-from worker import logprobs
+from worker import logprobs, vllm_fast_merge
 from worker.engine_api import (
     ChoiceDelta,
     EngineDead,
@@ -84,6 +85,8 @@ class VllmEngine:
     @classmethod
     async def start(cls, engine_args: AsyncEngineArgs) -> VllmEngine:
         log.info("starting vLLM engine for model %s", engine_args.model)
+        # Under load vLLM merges each request's pending DELTA outputs; make that merge cheap.
+        vllm_fast_merge.install()
         llm = AsyncLLM.from_engine_args(engine_args)
         model_config = llm.model_config
         tokenizer = llm.get_tokenizer()

@@ -8,12 +8,13 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--model /tmp/llama-1b --dtype bfloat16 --max-model-len 2048 --max-logprobs 20
-        --gpu-memory-utilization 0.42 --seed 0)
+        --kv-cache-memory-bytes 16000000000 --seed 0)
 CONCURRENCY=${CONCURRENCY:-1,64,256}
 LOGPROBS=${LOGPROBS:-off,5,20}
 nats-server -a 127.0.0.1 -p 4222 -js -sd /tmp/js > "$OUT/nats.log" 2>&1 &
 python3 -m worker --nats-url nats://127.0.0.1:4222 "${ENGINE[@]}" > "$OUT/worker.log" 2>&1 &
 worker=$!
+( while kill -0 $worker 2>/dev/null; do sleep 2; done; echo "worker exited" >> "$OUT/g_runs.md"; pkill -f bench.p1_overhead ) &
 timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.p1_overhead "${ENGINE[@]}" \
   --external-worker nats://127.0.0.1:4222 --load-process --concurrency "$CONCURRENCY" \
   --logprobs "$LOGPROBS" --max-tokens 128 --requests-per-stream "${PER_STREAM:-4}" \
