@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -213,9 +215,61 @@ class OpenAISender:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 chunk = msgspec.json.decode(line[6:])
-                if first is None and any(c.get("text") for c in chunk.get("choices") or ()):
+                # vLLM sends a chunk per step that has new tokens, even when their text is still
+                # empty (a byte token of an unfinished character): that chunk is the first token.
+                if first is None and chunk.get("choices"):
                     first = time.perf_counter()
                 usage = chunk.get("usage")
                 if usage:
                     tokens = usage["completion_tokens"]
         return (first or time.perf_counter()) - start, tokens
+
+
+# One run of one side: (side, concurrency, logprobs) → its RunResult.
+Once = Callable[[str, int, "int | None"], Awaitable[RunResult]]
+
+
+async def alternate(
+    once: Once,
+    sides: tuple[str, str],
+    concurrency_levels: list[int],
+    logprob_levels: list[int | None],
+    repeats: int,
+) -> list[dict]:
+    """Every (logprobs, concurrency) cell `repeats` times per side, alternating which side goes
+    first (machines drift); ratios are `sides[0]` ÷ `sides[1]` per repeat, then the median."""
+    ours, theirs = sides
+    results = []
+    for logprobs in logprob_levels:
+        for concurrency in concurrency_levels:
+            runs: dict[str, list[RunResult]] = {theirs: [], ours: []}
+            for repeat in range(repeats):
+                order = (theirs, ours) if repeat % 2 == 0 else (ours, theirs)
+                for side in order:
+                    runs[side].append(await once(side, concurrency, logprobs))
+            pairs = list(zip(runs[ours], runs[theirs], strict=True))
+            ratios = [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
+            entry: dict = {
+                "logprobs": logprobs,
+                "concurrency": concurrency,
+                "ratio_tokens_per_s": statistics.median(ratios),
+                "ratio_ttft_p50": statistics.median(
+                    [a.ttft_ms(50) / b.ttft_ms(50) for a, b in pairs]
+                ),
+                "ratios": ratios,
+            }
+            for side, side_runs in runs.items():
+                entry[side] = {
+                    "tokens_per_s": statistics.median([r.tokens_per_s for r in side_runs]),
+                    "ttft_p50_ms": statistics.median([r.ttft_ms(50) for r in side_runs]),
+                    "ttft_p99_ms": statistics.median([r.ttft_ms(99) for r in side_runs]),
+                    "tokens": [r.tokens for r in side_runs],
+                }
+            results.append(entry)
+            print(
+                f"logprobs={logprobs} c={concurrency}: tok/s ratio "
+                f"{entry['ratio_tokens_per_s']:.3f}, TTFT p50 ratio {entry['ratio_ttft_p50']:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return results

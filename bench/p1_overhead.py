@@ -26,8 +26,8 @@ import time
 
 import nats
 
-from bench.common import median, table, write_json
-from bench.load import DirectSender, NatsSender, prompts, run
+from bench.common import table, write_json
+from bench.load import DirectSender, NatsSender, RunResult, alternate, prompts, run
 from bench.load_process import LoadProcess
 from messages.subjects import Subjects
 from worker.cli import build_parser, engine_args
@@ -97,7 +97,12 @@ async def main_async(argv: list[str]) -> None:
     sides = {"direct": direct, "worker": via_nats}
     token_prompts = prompts(256, args.prompt_len, engine.limits.vocab_size)
 
-    async def once(side: str, concurrency: int, logprobs: int | None, per_stream: int):
+    async def once(
+        side: str,
+        concurrency: int,
+        logprobs: int | None,
+        per_stream: int = args.requests_per_stream,
+    ) -> RunResult:
         if side == "worker" and load is not None:
             result, _ = await load.run(
                 prompt_count=len(token_prompts),
@@ -120,45 +125,8 @@ async def main_async(argv: list[str]) -> None:
 
     for side in sides:  # warm-up: first-use costs are nobody's figure
         await once(side, 4, 5, 1)
-    results = []
     started = time.time()
-    for logprobs in logprob_levels:
-        for concurrency in levels:
-            runs: dict[str, list] = {"direct": [], "worker": []}
-            for repeat in range(args.repeats):
-                order = ["direct", "worker"] if repeat % 2 == 0 else ["worker", "direct"]
-                for side in order:
-                    runs[side].append(
-                        await once(side, concurrency, logprobs, args.requests_per_stream)
-                    )
-            ratios = [
-                w.tokens_per_s / d.tokens_per_s
-                for d, w in zip(runs["direct"], runs["worker"], strict=True)
-            ]
-            ttft_ratios = [
-                w.ttft_ms(50) / d.ttft_ms(50)
-                for d, w in zip(runs["direct"], runs["worker"], strict=True)
-            ]
-            entry = {
-                "logprobs": logprobs,
-                "concurrency": concurrency,
-                "ratio_tokens_per_s": median(ratios),
-                "ratio_ttft_p50": median(ttft_ratios),
-                "ratios": ratios,
-            }
-            for side, side_runs in runs.items():
-                entry[side] = {
-                    "tokens_per_s": median([r.tokens_per_s for r in side_runs]),
-                    "ttft_p50_ms": median([r.ttft_ms(50) for r in side_runs]),
-                    "ttft_p99_ms": median([r.ttft_ms(99) for r in side_runs]),
-                    "tokens": [r.tokens for r in side_runs],
-                }
-            results.append(entry)
-            print(
-                f"logprobs={logprobs} c={concurrency}: ratio {entry['ratio_tokens_per_s']:.3f}",
-                file=sys.stderr,
-                flush=True,
-            )
+    results = await alternate(once, ("worker", "direct"), levels, logprob_levels, args.repeats)
     # G2 figures: each side's tokens/s with logprobs ÷ the same side without.
     off = {r["concurrency"]: r for r in results if r["logprobs"] is None}
     rows = []

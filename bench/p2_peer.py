@@ -18,13 +18,14 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 
 import nats
 
-from bench.common import median, table, write_json
-from bench.load import NatsSender, OpenAISender, prompts, run
+from bench.common import table, write_json
+from bench.load import NatsSender, OpenAISender, RunResult, alternate, prompts, run
 from bench.vllm_server import VllmOpenAIServer
 from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
@@ -107,7 +108,12 @@ async def main_async(argv: list[str]) -> None:
 
 
 async def _measure(args, sides, token_prompts, levels, logprob_levels) -> list[dict]:
-    async def once(side: str, concurrency: int, logprobs: int | None, per_stream: int):
+    async def once(
+        side: str,
+        concurrency: int,
+        logprobs: int | None,
+        per_stream: int = args.requests_per_stream,
+    ) -> RunResult:
         return await run(
             sides[side],
             token_prompts,
@@ -119,38 +125,7 @@ async def _measure(args, sides, token_prompts, levels, logprob_levels) -> list[d
 
     for side in sides:  # warm-up: first-use costs are nobody's figure
         await once(side, 4, 5, 1)
-    results = []
-    for logprobs in logprob_levels:
-        for concurrency in levels:
-            runs: dict[str, list] = {side: [] for side in SIDES}
-            for repeat in range(args.repeats):
-                order = list(SIDES) if repeat % 2 == 0 else list(reversed(SIDES))
-                for side in order:
-                    runs[side].append(
-                        await once(side, concurrency, logprobs, args.requests_per_stream)
-                    )
-            pairs = list(zip(runs["worker"], runs["vllm serve"], strict=True))
-            entry = {
-                "logprobs": logprobs,
-                "concurrency": concurrency,
-                "ratio_tokens_per_s": median([w.tokens_per_s / p.tokens_per_s for w, p in pairs]),
-                "ratio_ttft_p50": median([w.ttft_ms(50) / p.ttft_ms(50) for w, p in pairs]),
-            }
-            for side, side_runs in runs.items():
-                entry[side] = {
-                    "tokens_per_s": median([r.tokens_per_s for r in side_runs]),
-                    "ttft_p50_ms": median([r.ttft_ms(50) for r in side_runs]),
-                    "ttft_p99_ms": median([r.ttft_ms(99) for r in side_runs]),
-                    "tokens": [r.tokens for r in side_runs],
-                }
-            results.append(entry)
-            print(
-                f"logprobs={logprobs} c={concurrency}: tok/s ratio "
-                f"{entry['ratio_tokens_per_s']:.3f}, TTFT p50 ratio {entry['ratio_ttft_p50']:.3f}",
-                file=sys.stderr,
-                flush=True,
-            )
-    return results
+    return await alternate(once, SIDES, levels, logprob_levels, args.repeats)
 
 
 def _report(args, results: list[dict], limits, engine_argv: list[str]) -> None:
@@ -197,6 +172,8 @@ def main() -> None:
     from worker.tiny_model import cpu_env_defaults
 
     cpu_env_defaults()
+    # SIGTERM (a timeout, a CI cancel) unwinds like an exception, so vLLM's server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.time()
     asyncio.run(main_async(sys.argv[1:]))
     print(f"{time.time() - started:.0f} s in all", file=sys.stderr)

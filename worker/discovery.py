@@ -59,7 +59,9 @@ async def register(
             "max_logprobs": str(limits.max_logprobs),
             "max_model_len": str(limits.max_model_len),
             "vocab_size": str(limits.vocab_size),
-            "max_concurrency": str(config.max_concurrency or "unlimited"),
+            "max_concurrency": (
+                "unlimited" if config.max_concurrency is None else str(config.max_concurrency)
+            ),
         },
         stats_handler=endpoint_data,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -152,7 +153,14 @@ class Worker:
             return
         await self.accept(
             Delivery(
-                request.data, request.headers, reply, request.respond, request.subject, arrived
+                request.data,
+                request.headers,
+                reply,
+                # What micro's `request.respond` does, minus its coroutine layer: this runs for
+                # every frame.
+                functools.partial(self.nc.publish, reply),
+                request.subject,
+                arrived,
             )
         )
 
