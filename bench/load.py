@@ -229,6 +229,31 @@ class OpenAISender:
 Once = Callable[[str, int, "int | None"], Awaitable[RunResult]]
 
 
+def runner(
+    senders: dict[str, Send],
+    token_prompts: list[list[int]],
+    *,
+    max_tokens: int,
+    requests_per_stream: int,
+) -> Callable[..., Awaitable[RunResult]]:
+    """`once(side, concurrency, logprobs, per_stream=requests_per_stream)`: one closed-loop run
+    of one side with these prompts and max_tokens."""
+
+    async def once(
+        side: str, concurrency: int, logprobs: int | None, per_stream: int = requests_per_stream
+    ) -> RunResult:
+        return await run(
+            senders[side],
+            token_prompts,
+            concurrency=concurrency,
+            requests_per_stream=per_stream,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+        )
+
+    return once
+
+
 async def alternate(
     once: Once,
     sides: tuple[str, str],

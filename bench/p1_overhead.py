@@ -27,7 +27,7 @@ import time
 import nats
 
 from bench.common import table, write_json
-from bench.load import DirectSender, NatsSender, RunResult, alternate, prompts, run
+from bench.load import DirectSender, NatsSender, RunResult, alternate, prompts, runner
 from bench.load_process import LoadProcess
 from messages.subjects import Subjects
 from worker.cli import build_parser, engine_args
@@ -96,6 +96,12 @@ async def main_async(argv: list[str]) -> None:
     direct = DirectSender(engine)
     sides = {"direct": direct, "worker": via_nats}
     token_prompts = prompts(256, args.prompt_len, engine.limits.vocab_size)
+    in_process = runner(
+        sides,
+        token_prompts,
+        max_tokens=args.max_tokens,
+        requests_per_stream=args.requests_per_stream,
+    )
 
     async def once(
         side: str,
@@ -114,14 +120,7 @@ async def main_async(argv: list[str]) -> None:
                 logprobs=logprobs,
             )
             return result
-        return await run(
-            sides[side],
-            token_prompts,
-            concurrency=concurrency,
-            requests_per_stream=per_stream,
-            max_tokens=args.max_tokens,
-            logprobs=logprobs,
-        )
+        return await in_process(side, concurrency, logprobs, per_stream)
 
     for side in sides:  # warm-up: first-use costs are nobody's figure
         await once(side, 4, 5, 1)

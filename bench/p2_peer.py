@@ -25,7 +25,7 @@ import time
 import nats
 
 from bench.common import table, write_json
-from bench.load import NatsSender, OpenAISender, RunResult, alternate, prompts, run
+from bench.load import NatsSender, OpenAISender, alternate, prompts, runner
 from bench.vllm_server import VllmOpenAIServer
 from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
@@ -108,20 +108,12 @@ async def main_async(argv: list[str]) -> None:
 
 
 async def _measure(args, sides, token_prompts, levels, logprob_levels) -> list[dict]:
-    async def once(
-        side: str,
-        concurrency: int,
-        logprobs: int | None,
-        per_stream: int = args.requests_per_stream,
-    ) -> RunResult:
-        return await run(
-            sides[side],
-            token_prompts,
-            concurrency=concurrency,
-            requests_per_stream=per_stream,
-            max_tokens=args.max_tokens,
-            logprobs=logprobs,
-        )
+    once = runner(
+        sides,
+        token_prompts,
+        max_tokens=args.max_tokens,
+        requests_per_stream=args.requests_per_stream,
+    )
 
     for side in sides:  # warm-up: first-use costs are nobody's figure
         await once(side, 4, 5, 1)

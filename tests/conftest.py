@@ -72,3 +72,29 @@ async def client(nats_server: NatsServer) -> AsyncIterator[NATS]:
     nc = await nats.connect(nats_server.url)
     yield nc
     await nc.close()
+
+
+@pytest.fixture
+async def extra_worker(engine, nats_server):
+    """Makes more workers on the session's engine (own connection, subjects and settings)."""
+    from worker.service import Worker
+    from worker.transport import connect
+
+    made: list[tuple[Worker, NATS]] = []
+
+    async def make(subjects: Subjects, **settings) -> Worker:
+        config = WorkerConfig(
+            nats=NatsConfig(servers=[settings.pop("url", nats_server.url)]),
+            subjects=subjects,
+            **settings,
+        )
+        nc = await connect(config.nats)
+        worker = Worker(engine, nc, config)
+        await worker.start()
+        made.append((worker, nc))
+        return worker
+
+    yield make
+    for worker, nc in made:
+        await worker.stop()
+        await nc.close()

@@ -13,34 +13,11 @@ from nats.aio.client import Client as NATS
 
 from messages.subjects import Subjects
 from worker.client import RequestError, complete, discover_workers, generate
-from worker.config import NatsConfig, WorkerConfig
 from worker.service import Worker
-from worker.transport import connect
 
 from .helpers import make_request
 
 PROMPT = [1, 300, 301, 302]
-
-
-@pytest.fixture
-async def make_worker(engine, nats_server):
-    """More workers on the session's engine (own connection, subjects and settings)."""
-    made: list[tuple[Worker, object]] = []
-
-    async def make(subjects: Subjects, **settings) -> Worker:
-        config = WorkerConfig(
-            nats=NatsConfig(servers=[nats_server.url]), subjects=subjects, **settings
-        )
-        nc = await connect(config.nats)
-        worker = Worker(engine, nc, config)
-        await worker.start()
-        made.append((worker, nc))
-        return worker
-
-    yield make
-    for worker, nc in made:
-        await worker.stop()
-        await nc.close()
 
 
 @contextlib.asynccontextmanager
@@ -74,11 +51,11 @@ async def settled(worker: Worker) -> Worker:
     raise AssertionError(f"worker still has {worker.in_flight} requests in flight")
 
 
-async def test_discovery_lists_the_workers_of_a_subject(make_worker, client) -> None:
+async def test_discovery_lists_the_workers_of_a_subject(extra_worker, client) -> None:
     subjects = Subjects("disco", "vllm", "generate")
-    await make_worker(subjects, instance_id="full", max_concurrency=1)
-    await make_worker(subjects, instance_id="free")
-    await make_worker(Subjects("elsewhere", "vllm", "generate"), instance_id="other")
+    await extra_worker(subjects, instance_id="full", max_concurrency=1)
+    await extra_worker(subjects, instance_id="free")
+    await extra_worker(Subjects("elsewhere", "vllm", "generate"), instance_id="other")
     async with occupied(client, subjects.instance("full"), "disco-busy"):
         found = {w.instance_id: w for w in await discover_workers(client, subjects.generate)}
     assert sorted(found) == ["free", "full"]
@@ -88,10 +65,10 @@ async def test_discovery_lists_the_workers_of_a_subject(make_worker, client) -> 
     assert found["free"].max_concurrency is None and found["free"].has_capacity
 
 
-async def test_refusal_on_an_instance_is_retried_on_another_worker(make_worker, client) -> None:
+async def test_refusal_on_an_instance_is_retried_on_another_worker(extra_worker, client) -> None:
     subjects = Subjects("retry", "vllm", "generate")
-    full = await make_worker(subjects, instance_id="full", max_concurrency=1)
-    free = await make_worker(subjects, instance_id="free")
+    full = await extra_worker(subjects, instance_id="full", max_concurrency=1)
+    free = await extra_worker(subjects, instance_id="free")
     async with occupied(client, subjects.instance("full"), "retry-busy"):
         frames = [
             frame
@@ -110,10 +87,10 @@ async def test_refusal_on_an_instance_is_retried_on_another_worker(make_worker, 
     assert free.served == 1 and (await settled(full)).served == 1
 
 
-async def test_refusals_through_the_queue_group_are_retried(make_worker, client) -> None:
+async def test_refusals_through_the_queue_group_are_retried(extra_worker, client) -> None:
     subjects = Subjects("retryq", "vllm", "generate")
-    full = await make_worker(subjects, instance_id="full", max_concurrency=0)
-    free = await make_worker(subjects, instance_id="free")
+    full = await extra_worker(subjects, instance_id="full", max_concurrency=0)
+    free = await extra_worker(subjects, instance_id="free")
     results = await asyncio.gather(
         *(
             complete(
@@ -130,9 +107,9 @@ async def test_refusals_through_the_queue_group_are_retried(make_worker, client)
     assert sum(e.num_errors for e in stats.endpoints) >= 1
 
 
-async def test_exhausted_retries_raise_a_clear_request_error(make_worker, client) -> None:
+async def test_exhausted_retries_raise_a_clear_request_error(extra_worker, client) -> None:
     subjects = Subjects("retryx", "vllm", "generate")
-    await make_worker(subjects, instance_id="only", max_concurrency=1)
+    await extra_worker(subjects, instance_id="only", max_concurrency=1)
     async with occupied(client, subjects.instance("only"), "rx-busy"):
         with pytest.raises(RequestError) as refused:
             await complete(client, make_request("rx-1", PROMPT), subject=subjects.generate)
@@ -148,10 +125,10 @@ async def test_exhausted_retries_raise_a_clear_request_error(make_worker, client
     assert direct.value.message.startswith("refused after 1 attempt(s): only: worker at ")
 
 
-async def test_no_retry_once_output_began(make_worker, client, engine) -> None:
+async def test_no_retry_once_output_began(extra_worker, client, engine) -> None:
     subjects = Subjects("retrylate", "vllm", "generate")
-    busy = await make_worker(subjects, instance_id="busy")
-    other = await make_worker(subjects, instance_id="other")
+    busy = await extra_worker(subjects, instance_id="busy")
+    other = await extra_worker(subjects, instance_id="other")
     frames = []
     async for frame in generate(
         client,

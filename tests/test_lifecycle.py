@@ -74,29 +74,6 @@ async def frames_of(nc, subject: str, payload: bytes, *, until=None) -> AsyncIte
         await subscription.unsubscribe()
 
 
-@pytest.fixture
-async def extra_worker(engine, nats_server):
-    """Makes more workers on the session's engine (own connection, subjects and settings)."""
-    made: list[tuple[Worker, object]] = []
-
-    async def make(subjects: Subjects, **settings) -> Worker:
-        config = WorkerConfig(
-            nats=NatsConfig(servers=[settings.pop("url", nats_server.url)]),
-            subjects=subjects,
-            **settings,
-        )
-        nc = await connect(config.nats)
-        worker = Worker(engine, nc, config)
-        await worker.start()
-        made.append((worker, nc))
-        return worker
-
-    yield make
-    for worker, nc in made:
-        await worker.stop()
-        await nc.close()
-
-
 async def test_fifty_streams_cancelled_mid_generation_free_the_engine(
     worker, client, engine
 ) -> None:
