@@ -9,6 +9,7 @@ from nats.aio.client import Client as NATS
 
 from messages.frames import TopLogprob
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
+from worker.client import micro_error
 from worker.tokens import TokenTable
 
 
@@ -55,6 +56,8 @@ async def exchange(
         while len(finished) < choices:
             msg = await subscription.next_msg(timeout=timeout)
             if not msg.data:
+                if (error := micro_error(msg)) is not None:
+                    raise error
                 continue  # liveness probe
             raw.append(msg.data)
             frame = decode(msg.data)

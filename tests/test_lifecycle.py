@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 from messages.codec import JSON, MSGPACK
 from messages.request import CancelRequest
 from messages.subjects import Subjects
-from worker.client import complete, generate
+from worker.client import RequestError, complete, generate
 from worker.config import NatsConfig, WorkerConfig
 from worker.embedded import NatsServer
 from worker.service import Worker
@@ -578,3 +578,49 @@ async def test_operator_limits_a_publisher_cannot_lift(extra_worker, client) -> 
     capped.stop_conditions.max_tokens = None
     result = await complete(client, capped, subject=subjects.generate)
     assert result.choices[0].usage.completion_tokens == 8
+
+
+async def test_a_handler_failure_is_an_internal_error_frame_and_the_worker_serves_on(
+    extra_worker, client, monkeypatch
+) -> None:
+    subjects = Subjects("fails", "vllm", "generate")
+    served = await extra_worker(subjects)
+    admit = served.accept
+
+    async def broken(delivery) -> None:
+        raise RuntimeError("accept broke")
+
+    monkeypatch.setattr(served, "accept", broken)
+    raw = await exchange(client, subjects.generate, MSGPACK.encode(make_request("x", PROMPT)))
+    frame = msgspec.msgpack.decode(raw[0])
+    assert frame["seq"] == 0 and frame["finish_reason"] == "error"
+    assert frame["error"]["code"] == "internal_error"
+    assert "accept broke" in frame["error"]["message"]
+    monkeypatch.setattr(served, "accept", admit)
+    after = await complete(
+        client, make_request("y", PROMPT, max_tokens=2), subject=subjects.generate
+    )
+    assert after.choices[0].finish_reason == "length"
+
+
+async def test_a_micro_error_reply_is_an_error_not_a_liveness_probe(client) -> None:
+    """A responder whose micro handler raised answers with an empty body and error headers;
+    the client must raise it rather than skip it and wait out its timeout (TimeoutError)."""
+    from nats import micro
+
+    service = await micro.add_service(client, name="raiser", version="0.0.1")
+
+    async def raises(request) -> None:
+        raise ValueError("handler bug")
+
+    await service.add_endpoint(name="gen", subject="raiser.generate", handler=raises)
+    try:
+        with pytest.raises(RequestError) as failed:
+            async for _frame in generate(
+                client, make_request("z", PROMPT), subject="raiser.generate", timeout=30
+            ):
+                pass
+        assert failed.value.code == "internal_error"
+        assert "micro error 500" in failed.value.message and "handler bug" in failed.value.message
+    finally:
+        await service.stop()

@@ -22,6 +22,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from messages.codec import JSON, MSGPACK, Codec
@@ -39,6 +40,17 @@ class RequestError(RuntimeError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+def micro_error(msg: Msg) -> RequestError | None:
+    """The error of a NATS micro error reply (empty body, `Nats-Service-Error*` headers), which
+    a responder gives when its handler raised; None for anything else, e.g. a liveness probe."""
+    if msg.data or not msg.headers or "Nats-Service-Error-Code" not in msg.headers:
+        return None
+    code = msg.headers["Nats-Service-Error-Code"]
+    return RequestError(
+        "internal_error", f"micro error {code}: {msg.headers.get('Nats-Service-Error', '')}"
+    )
 
 
 @dataclass
@@ -68,6 +80,8 @@ async def _read_frames(
     while True:
         msg = await subscription.next_msg(timeout=timeout)
         if not msg.data:
+            if (error := micro_error(msg)) is not None:
+                raise error
             continue  # the worker's liveness probe
         frame = codec.decode_frame(msg.data)
         if attempts:

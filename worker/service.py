@@ -151,18 +151,28 @@ class Worker:
             )
             self._record(request.subject, arrived, "no reply subject")
             return
-        await self.accept(
-            Delivery(
-                request.data,
-                request.headers,
-                reply,
-                # What micro's `request.respond` does, minus its coroutine layer: this runs for
-                # every frame.
-                functools.partial(self.nc.publish, reply),
-                request.subject,
-                arrived,
-            )
+        delivery = Delivery(
+            request.data,
+            request.headers,
+            reply,
+            # What micro's `request.respond` does, minus its coroutine layer: this runs for
+            # every frame.
+            functools.partial(self.nc.publish, reply),
+            request.subject,
+            arrived,
         )
+        try:
+            await self.accept(delivery)
+        except Exception as error:
+            # Never let an error reach micro: it would answer with an empty, header-only message
+            # that frame readers cannot tell from a liveness probe. accept publishes at most one
+            # frame, its last step, so an error here means none went out: this one is seq 0.
+            log.exception("request on %s failed before it was admitted", request.subject)
+            writer = FrameWriter(codec_for(request.headers), self.nc.max_payload, delivery.publish)
+            try:
+                await self._refuse(writer, delivery, "", "internal_error", repr(error))
+            except Exception:
+                log.exception("could not answer the failed request on %s", request.subject)
 
     async def accept(self, delivery: Delivery) -> ErrorCode | None:
         """Validates and admits one request, then serves it in its own task.
