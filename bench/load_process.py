@@ -21,6 +21,7 @@ import msgspec
 import nats
 
 from bench.load import NatsSender, RunResult, prompts, run
+from worker.transport import flush
 
 
 class RunSpec(msgspec.Struct):
@@ -65,7 +66,7 @@ async def serve(nats_url: str, subject: str, control: str) -> None:
         await msg.respond(msgspec.json.encode(answer))
 
     await nc.subscribe(control, cb=on_run)
-    await nc.flush()
+    await flush(nc)
     print("ready", flush=True)
     await done.wait()
     await sender.stop()

@@ -66,7 +66,6 @@ async def register(
         stats_handler=endpoint_data,
     )
     if not endpoints:
-        await nc.flush()
         return service
     await service.add_endpoint(
         name="generate",
@@ -82,7 +81,6 @@ async def register(
         handler=handler,
         metadata={"content_types": "application/msgpack,application/json"},
     )
-    await nc.flush()
     return service
 
 

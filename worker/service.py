@@ -26,7 +26,7 @@ from nats.micro.service import Service
 
 from messages.codec import Codec, codec_for
 from messages.frames import ErrorCode
-from worker import discovery
+from worker import discovery, transport
 from worker.config import WorkerConfig
 from worker.engine_api import Engine, EngineDead, InvalidRequest
 from worker.framing import FrameWriter, Publish
@@ -122,6 +122,10 @@ class Worker:
         # Cancels go to every worker (no queue group): only the one serving the id acts.
         self._cancel_subscription = await self.nc.subscribe(subjects.cancel, cb=self._on_cancel)
         self._liveness = asyncio.create_task(self._probe_clients())
+        # Once start returns, the server holds every subscription above: a request published
+        # right after (by a test, a supervisor, a client that saw the worker in discovery)
+        # reaches this worker.
+        await transport.flush(self.nc)
         log.info(
             "serving %s (queue group %s) and %s as micro service %s id %s",
             subjects.generate,

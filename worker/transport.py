@@ -61,6 +61,19 @@ async def connect(config: NatsConfig) -> NATS:
     return nc
 
 
+async def flush(nc: NATS, timeout: float = 10.0) -> None:
+    """Returns once the server has processed everything sent on `nc` so far.
+
+    nats-py 2.16's own `flush()` writes its PING to the socket at once, ahead of commands still
+    in its write buffer (the SUBs of subscriptions just made), so its PONG can come back before
+    the server saw them, and a request published right after goes to nobody (a CI run lost
+    requests to a worker that had just started this way). The flusher writes the buffer first
+    (its future resolves after the write), so the PING goes out behind it.
+    """
+    await nc._flush_pending(force_flush=True)
+    await nc.flush(timeout)
+
+
 def reply_publisher(nc: NATS, subject: str):  # -> framing.Publish
     async def publish(data: bytes) -> None:
         await nc.publish(subject, data)
