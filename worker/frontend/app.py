@@ -18,8 +18,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
@@ -182,6 +182,75 @@ class FrameSource:
     async def aclose(self) -> None:
         await self._frames.aclose()  # type: ignore[attr-defined]
 
+    async def fold(self, add: Callable[[ResponseFrame], object]) -> None:
+        """Non-streaming: every frame through `add`; a worker error frame is the HTTP error."""
+        async for frame in self.all():
+            if frame.error:
+                raise OpenAIError.from_worker(frame.error.code, frame.error.message)
+            add(frame)
+
+
+@dataclass
+class Reply:
+    """What every response body and chunk of one request shares: the envelope and the usage."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    choices: Sequence[CompletionChoice | ChatChoice]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, object_: str, choice_list: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": object_,
+            "created": self.created,
+            "model": self.model,
+            "choices": choice_list,
+        }
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
+
+    def body(self, object_: str, choice_list: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self.envelope(object_, choice_list), "usage": self.usage()}
+
+    def stream(
+        self,
+        source: FrameSource,
+        object_: str,
+        chunk_of: Callable[[ResponseFrame], dict[str, Any] | None],
+        *,
+        include_usage: bool,
+        opening: Sequence[dict[str, Any]] = (),
+    ) -> StreamingResponse:
+        """SSE: the `opening` chunks, one chunk per frame that `chunk_of` makes one of, then
+        usage if asked, then [DONE]. Past the headers a failure can only be an error event,
+        and the stream still ends with [DONE]; leaving early closes `source` (a cancel)."""
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for chunk in opening:
+                    yield _sse(self.envelope(object_, [chunk]))
+                async for frame in source.all():
+                    if frame.error:
+                        error = OpenAIError.from_worker(frame.error.code, frame.error.message)
+                        yield _sse(error.body())
+                        break
+                    chunk = chunk_of(frame)
+                    if chunk is not None:
+                        yield _sse(self.envelope(object_, [chunk]))
+                else:
+                    if include_usage:
+                        yield _sse(self.body(object_, []))
+            except Exception as error:
+                yield _sse(_transport_error(error).body())
+            finally:
+                await source.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
 
 def create_app(
     settings: FrontendSettings,
@@ -286,8 +355,8 @@ def create_app(
             ),
         )
         source = await start(request, generate_request)
-        created = int(time.time())
         choices: list[CompletionChoice] = [CompletionChoice(i, tokenizer, k) for i in range(body.n)]
+        reply = Reply(generate_request.request_id, settings.model_name, len(prompt_ids), choices)
         prompt_log_probs: list[float | None] = []
         prompt_rows: list[Any] = []
 
@@ -308,56 +377,25 @@ def create_app(
                 tokenizer, prompt_ids, prompt_text, prompt_log_probs, prompt_rows, k is not None
             )
 
-        def envelope(choice_list: list[dict[str, Any]]) -> dict[str, Any]:
+        if not body.stream:
+            await source.fold(feed)
+            return JSONResponse(reply.body("text_completion", [c.choice() for c in choices]))
+
+        def chunk_of(frame: ResponseFrame) -> dict[str, Any] | None:
+            fed = feed(frame)
+            if fed is None:
+                return None
+            choice, delta, logprobs = fed
+            if not delta and not logprobs["tokens"] and frame.finish_reason is None:
+                return None
             return {
-                "id": generate_request.request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": settings.model_name,
-                "choices": choice_list,
+                "index": choice.index,
+                "text": delta,
+                "logprobs": logprobs if k is not None else None,
+                "finish_reason": choice.finish_reason if frame.finish_reason else None,
             }
 
-        def total_usage() -> dict[str, int]:
-            return usage(len(prompt_ids), sum(c.completion_tokens for c in choices))
-
-        if not body.stream:
-            async for frame in source.all():
-                if frame.error:
-                    raise OpenAIError.from_worker(frame.error.code, frame.error.message)
-                feed(frame)
-            return JSONResponse({**envelope([c.choice() for c in choices]), "usage": total_usage()})
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for frame in source.all():
-                    if frame.error:
-                        yield _sse(
-                            OpenAIError.from_worker(frame.error.code, frame.error.message).body()
-                        )
-                        break
-                    fed = feed(frame)
-                    if fed is None:
-                        continue
-                    choice, delta, logprobs = fed
-                    if not delta and not logprobs["tokens"] and frame.finish_reason is None:
-                        continue
-                    chunk = {
-                        "index": choice.index,
-                        "text": delta,
-                        "logprobs": logprobs if k is not None else None,
-                        "finish_reason": choice.finish_reason if frame.finish_reason else None,
-                    }
-                    yield _sse(envelope([chunk]))
-                else:
-                    if body.include_usage:
-                        yield _sse({**envelope([]), "usage": total_usage()})
-            except Exception as error:  # after the headers: an error event ends the stream
-                yield _sse(_transport_error(error).body())
-            finally:
-                await source.aclose()
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return reply.stream(source, "text_completion", chunk_of, include_usage=body.include_usage)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
@@ -389,78 +427,42 @@ def create_app(
             output_options=OutputOptions(logprobs=k),
         )
         source = await start(request, generate_request)
-        created = int(time.time())
         choices = [ChatChoice(i, tokenizer, k) for i in range(body.n)]
-
-        def envelope(object_: str, choice_list: list[dict[str, Any]]) -> dict[str, Any]:
-            return {
-                "id": generate_request.request_id,
-                "object": object_,
-                "created": created,
-                "model": settings.model_name,
-                "choices": choice_list,
-            }
-
-        def total_usage() -> dict[str, int]:
-            return usage(len(prompt_ids), sum(c.completion_tokens for c in choices))
+        reply = Reply(generate_request.request_id, settings.model_name, len(prompt_ids), choices)
 
         if not body.stream:
-            async for frame in source.all():
-                if frame.error:
-                    raise OpenAIError.from_worker(frame.error.code, frame.error.message)
-                choices[frame.index].add(frame)
-            return JSONResponse(
-                {
-                    **envelope("chat.completion", [c.message() for c in choices]),
-                    "usage": total_usage(),
-                }
-            )
+            await source.fold(lambda frame: choices[frame.index].add(frame))
+            return JSONResponse(reply.body("chat.completion", [c.message() for c in choices]))
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                for choice in choices:  # OpenAI's first chunk per choice: the role alone
-                    yield _sse(
-                        envelope(
-                            "chat.completion.chunk",
-                            [
-                                {
-                                    "index": choice.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        )
-                    )
-                async for frame in source.all():
-                    if frame.error:
-                        yield _sse(
-                            OpenAIError.from_worker(frame.error.code, frame.error.message).body()
-                        )
-                        break
-                    choice = choices[frame.index]
-                    delta, entries = choice.add(frame)
-                    if not delta and not entries and frame.finish_reason is None:
-                        continue
-                    chunk = {
-                        "index": choice.index,
-                        "delta": {"content": delta},
-                        "logprobs": {"content": entries} if k is not None else None,
-                        "finish_reason": choice.finish_reason if frame.finish_reason else None,
-                    }
-                    yield _sse(envelope("chat.completion.chunk", [chunk]))
-                else:
-                    if body.include_usage:
-                        yield _sse(
-                            {**envelope("chat.completion.chunk", []), "usage": total_usage()}
-                        )
-            except Exception as error:  # after the headers: an error event ends the stream
-                yield _sse(_transport_error(error).body())
-            finally:
-                await source.aclose()
-            yield "data: [DONE]\n\n"
+        def chunk_of(frame: ResponseFrame) -> dict[str, Any] | None:
+            choice = choices[frame.index]
+            delta, entries = choice.add(frame)
+            if not delta and not entries and frame.finish_reason is None:
+                return None
+            return {
+                "index": choice.index,
+                "delta": {"content": delta},
+                "logprobs": {"content": entries} if k is not None else None,
+                "finish_reason": choice.finish_reason if frame.finish_reason else None,
+            }
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        # OpenAI's first chunk per choice carries the role alone.
+        opening = [
+            {
+                "index": choice.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for choice in choices
+        ]
+        return reply.stream(
+            source,
+            "chat.completion.chunk",
+            chunk_of,
+            include_usage=body.include_usage,
+            opening=opening,
+        )
 
     return app
 
