@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +19,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from bench.common import percentile
+from bench.common import median, percentile
 from messages.codec import MSGPACK
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 
@@ -277,17 +276,15 @@ async def alternate(
             entry: dict = {
                 "logprobs": logprobs,
                 "concurrency": concurrency,
-                "ratio_tokens_per_s": statistics.median(ratios),
-                "ratio_ttft_p50": statistics.median(
-                    [a.ttft_ms(50) / b.ttft_ms(50) for a, b in pairs]
-                ),
+                "ratio_tokens_per_s": median(ratios),
+                "ratio_ttft_p50": median([a.ttft_ms(50) / b.ttft_ms(50) for a, b in pairs]),
                 "ratios": ratios,
             }
             for side, side_runs in runs.items():
                 entry[side] = {
-                    "tokens_per_s": statistics.median([r.tokens_per_s for r in side_runs]),
-                    "ttft_p50_ms": statistics.median([r.ttft_ms(50) for r in side_runs]),
-                    "ttft_p99_ms": statistics.median([r.ttft_ms(99) for r in side_runs]),
+                    "tokens_per_s": median([r.tokens_per_s for r in side_runs]),
+                    "ttft_p50_ms": median([r.ttft_ms(50) for r in side_runs]),
+                    "ttft_p99_ms": median([r.ttft_ms(99) for r in side_runs]),
                     "tokens": [r.tokens for r in side_runs],
                 }
             results.append(entry)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 # One subject token: no dots, spaces or wildcards, or the subject would mean something else.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 CANCEL_TOKEN = "cancel"
+# The NATS micro service name workers register under: discovery asks `$SRV.<verb>.<name>`.
+SERVICE_NAME = "vllm-nats-worker"
 
 
 @dataclass(frozen=True)

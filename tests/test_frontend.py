@@ -110,7 +110,7 @@ def gauge(metrics, name: str) -> float:
 
 async def test_openai_chat_with_logprobs_streamed_and_not(frontend, tiny_model) -> None:
     client = api(frontend)
-    answer = await client.chat.completions.create(
+    asked = dict(
         model=str(tiny_model),
         messages=CHAT,
         max_tokens=12,
@@ -119,6 +119,7 @@ async def test_openai_chat_with_logprobs_streamed_and_not(frontend, tiny_model) 
         top_logprobs=3,
         extra_body={"ignore_eos": True},
     )
+    answer = await client.chat.completions.create(**asked)
     choice = answer.choices[0]
     assert answer.object == "chat.completion"
     assert choice.finish_reason == "length"
@@ -134,15 +135,7 @@ async def test_openai_chat_with_logprobs_streamed_and_not(frontend, tiny_model) 
     assert choice.message.content
 
     stream = await client.chat.completions.create(
-        model=str(tiny_model),
-        messages=CHAT,
-        max_tokens=12,
-        temperature=0.0,
-        logprobs=True,
-        top_logprobs=3,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        **asked, stream=True, stream_options={"include_usage": True}
     )
     text, entries, finish, usage = "", [], None, None
     async for chunk in stream:
@@ -161,7 +154,7 @@ async def test_openai_chat_with_logprobs_streamed_and_not(frontend, tiny_model) 
 
 async def test_openai_completions_with_logprobs_streamed_and_not(frontend, tiny_model) -> None:
     client = api(frontend)
-    answer = await client.completions.create(
+    asked = dict(
         model=str(tiny_model),
         prompt="Hello there",
         max_tokens=10,
@@ -169,6 +162,7 @@ async def test_openai_completions_with_logprobs_streamed_and_not(frontend, tiny_
         logprobs=4,
         extra_body={"ignore_eos": True},
     )
+    answer = await client.completions.create(**asked)
     choice = answer.choices[0]
     assert answer.object == "text_completion" and choice.finish_reason == "length"
     logprobs = choice.logprobs
@@ -184,15 +178,7 @@ async def test_openai_completions_with_logprobs_streamed_and_not(frontend, tiny_
         assert choice.text[offset:].startswith(token)
     assert "".join(logprobs.tokens) == choice.text
 
-    stream = await client.completions.create(
-        model=str(tiny_model),
-        prompt="Hello there",
-        max_tokens=10,
-        temperature=0.0,
-        logprobs=4,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = await client.completions.create(**asked, stream=True)
     text, tokens, offsets = "", [], []
     async for chunk in stream:
         for part in chunk.choices:

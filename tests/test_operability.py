@@ -19,10 +19,10 @@ from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from messages.codec import MSGPACK
+from messages.subjects import SERVICE_NAME
 from worker import client as client_cli
 from worker.cli import build_parser, engine_args
 from worker.client import complete
-from worker.discovery import SERVICE_NAME
 
 from .conftest import TEST_SUBJECTS
 from .helpers import exchange, make_request
@@ -129,7 +129,7 @@ def test_engine_args_go_to_vllm_as_vllm_serve_takes_them(tiny_model: Path) -> No
 async def test_micro_ping_info_stats_and_counts_move(worker, client, engine) -> None:
     service_id = worker.service.id
     ping = await srv(client, "PING", service_id)
-    assert (ping["name"], ping["id"], ping["version"]) == (SERVICE_NAME, service_id, "0.1.0")
+    assert (ping["name"], ping["id"], ping["version"]) == ("vllm-nats-worker", service_id, "0.1.0")
     info = await srv(client, "INFO", service_id)
     assert info["metadata"]["model"] == engine.limits.model
     assert info["metadata"]["max_logprobs"] == "20"

@@ -28,7 +28,7 @@ from nats.aio.subscription import Subscription
 from messages.codec import JSON, MSGPACK, Codec
 from messages.frames import ErrorInfo, ResponseFrame, TopLogprob, Usage
 from messages.request import CancelRequest, GenerateRequest
-from messages.subjects import CANCEL_TOKEN, Subjects
+from messages.subjects import CANCEL_TOKEN, SERVICE_NAME, Subjects
 
 
 class FrameOrderError(RuntimeError):
@@ -189,7 +189,6 @@ def fold(request_id: str, frames: list[ResponseFrame], choices: int) -> Completi
 
 
 RETRYABLE_CODES = frozenset({"overloaded", "worker_shutdown"})
-SERVICE_NAME = "vllm-nats-worker"
 
 
 @dataclass(frozen=True)
@@ -284,9 +283,9 @@ async def generate(
     refusals: list[str] = []
     last: ErrorInfo | None = None
     target = subject
-    attempts = 0
+    # Every target is the queue group or an instance subject under it: one cancel subject.
+    cancel_subject = cancel_subject_for(subject)
     for attempt in range(retries + 1):
-        attempts += 1
         yielded = False
         refusal: ErrorInfo | None = None
         async with aclosing(
@@ -298,7 +297,7 @@ async def generate(
                 choices=request.sampling_options.n,
                 timeout=timeout,
                 request_id=request.request_id,
-                cancel_subject=cancel_subject_for(target),
+                cancel_subject=cancel_subject,
             )
         ) as frames:
             async for frame in frames:
@@ -326,7 +325,7 @@ async def generate(
         chosen = min(candidates, key=lambda worker: worker.in_flight)
         target, instance_id = chosen.subject, chosen.instance_id
     assert last is not None
-    raise RequestError(last.code, f"refused after {attempts} attempt(s): " + "; ".join(refusals))
+    raise RequestError(last.code, f"refused after {attempt + 1} attempt(s): " + "; ".join(refusals))
 
 
 def cancel_subject_for(subject: str) -> str:
@@ -410,9 +409,8 @@ async def jetstream_complete(
     return fold(request.request_id, frames, request.sampling_options.n), attempts
 
 
-async def wait_for_worker(nc: NATS, timeout: float, name: str = "vllm-nats-worker") -> bool:
+async def wait_for_worker(nc: NATS, timeout: float, name: str = SERVICE_NAME) -> bool:
     """True once a worker answers `$SRV.PING.<name>` (workers register as NATS micro services)."""
-    import asyncio
     import time
 
     import nats.errors

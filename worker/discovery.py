@@ -19,11 +19,11 @@ from nats.aio.client import Client as NATS
 from nats.micro.request import Request
 from nats.micro.service import EndpointStats, Service
 
+from messages.subjects import SERVICE_NAME
 from worker import __version__
 from worker.config import WorkerConfig
 from worker.engine_api import EngineLimits
 
-SERVICE_NAME = "vllm-nats-worker"
 Handler = Callable[[Request], Awaitable[None]]
 
 

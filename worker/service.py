@@ -26,6 +26,7 @@ from nats.micro.service import Service
 
 from messages.codec import Codec, codec_for
 from messages.frames import ErrorCode
+from messages.subjects import SERVICE_NAME
 from worker import discovery, transport
 from worker.config import WorkerConfig
 from worker.engine_api import Engine, EngineDead, InvalidRequest
@@ -131,7 +132,7 @@ class Worker:
             subjects.generate,
             self.config.queue_group,
             subjects.instance(self.config.instance_id),
-            discovery.SERVICE_NAME,
+            SERVICE_NAME,
             self.service.id,
         )
 
