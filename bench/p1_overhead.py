@@ -30,6 +30,7 @@ from bench.common import table, write_json
 from bench.load import DirectSender, NatsSender, RunResult, alternate, prompts, runner
 from bench.load_process import LoadProcess
 from messages.subjects import Subjects
+from worker import vllm_fast_merge
 from worker.cli import build_parser, engine_args
 from worker.client import wait_for_worker
 from worker.config import NatsConfig, WorkerConfig
@@ -109,6 +110,12 @@ async def main_async(argv: list[str]) -> None:
         logprobs: int | None,
         per_stream: int = args.requests_per_stream,
     ) -> RunResult:
+        # The worker side runs as the worker's CLI serves, with the fast logprob merge; the
+        # stock-vLLM baseline with vLLM's own (sides run one at a time on the shared engine).
+        if side == "worker":
+            vllm_fast_merge.install()
+        else:
+            vllm_fast_merge.uninstall()
         if side == "worker" and load is not None:
             result, _ = await load.run(
                 prompt_count=len(token_prompts),

@@ -66,6 +66,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 async def main_async(argv: list[str]) -> None:
     import aiohttp
 
+    from worker import vllm_fast_merge
     from worker.cli import build_parser, engine_args
     from worker.service import Worker
     from worker.transport import connect
@@ -77,6 +78,8 @@ async def main_async(argv: list[str]) -> None:
     peer = VllmOpenAIServer(engine_argv)
     peer.start()
     try:
+        # The worker's side as its CLI serves it; the peer is another process (stock vLLM).
+        vllm_fast_merge.install()
         engine = await VllmEngine.start(engine_args(build_parser().parse_args(engine_argv)))
         server = NatsServer().start()
         subjects = Subjects("bench", "vllm", "generate")

@@ -5,9 +5,9 @@ without vllm or torch.
 """
 
 from messages.codec import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, Codec, codec_for
+from messages.errors import ERRORS, ErrorCode, ErrorKind, is_refusal, is_retryable
 from messages.frames import (
     FINISH_REASONS,
-    ErrorCode,
     ErrorInfo,
     FinishReason,
     ResponseFrame,
@@ -24,6 +24,7 @@ from messages.request import (
 from messages.subjects import Subjects
 
 __all__ = [
+    "ERRORS",
     "FINISH_REASONS",
     "JSON_CONTENT_TYPE",
     "MSGPACK_CONTENT_TYPE",
@@ -31,6 +32,7 @@ __all__ = [
     "Codec",
     "ErrorCode",
     "ErrorInfo",
+    "ErrorKind",
     "FinishReason",
     "GenerateRequest",
     "OutputOptions",
@@ -41,4 +43,6 @@ __all__ = [
     "TopLogprob",
     "Usage",
     "codec_for",
+    "is_refusal",
+    "is_retryable",
 ]

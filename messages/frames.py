@@ -17,23 +17,13 @@ from typing import Literal, get_args
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from messages.errors import ErrorCode
+
 # The field `TopLogprob.bytes` shadows the builtin inside the class body: annotate via an alias.
 RawBytes = bytes
 
 FinishReason = Literal["eos", "length", "stop", "cancelled", "error"]
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
-
-# Error codes a client can act on; the retryable ones may be retried on another worker.
-# `deadline_exceeded` and `client_gone` also say why a choice ended with "cancelled".
-ErrorCode = Literal[
-    "invalid_request",
-    "engine_error",
-    "overloaded",
-    "worker_shutdown",
-    "internal_error",
-    "deadline_exceeded",
-    "client_gone",
-]
 
 
 # gc=False: rows are the most numerous objects on the hot path and hold only scalars, so they

@@ -9,14 +9,24 @@ worker against the running engine.
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import msgspec
 
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+# Integers the engine stores in fixed-width tensors or sends over its own msgpack transport are
+# bounded here, at decode time: a JSON integer past 64 bits would otherwise pass and fail deep in
+# vLLM as an empty, retryable engine error. Counts and ids that the running engine bounds more
+# tightly (vocabulary, context length, max_logprobs, the operator's max_n) are checked against
+# it on admission (worker/validation.py); the caps here only keep them in machine range.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+# Finite: msgpack can carry inf and NaN, which no sampling parameter means (NaN fails ge anyway).
+FLOAT_MAX = sys.float_info.max
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0, le=FLOAT_MAX)]
 
 
 class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -25,13 +35,15 @@ class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: PositiveInt = 1
     temperature: NonNegativeFloat | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    # -1 and 0 both mean "no top-k", as in vLLM.
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    # -1 and 0 both mean "no top-k", as in vLLM; vLLM keeps top_k in an int32 tensor (values
+    # past the vocabulary mean no top-k too).
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    # vLLM seeds a torch.Generator (int64), as its OpenAI server bounds `seed`.
+    seed: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=FLOAT_MAX)] | None = None
     # Known to Dynamo's frontends but not served here: refused with a clear error, never ignored.
     use_beam_search: bool | None = None
     guided_decoding: msgspec.Raw | None = None
@@ -72,11 +84,17 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     annotations: list[str] = msgspec.field(default_factory=list)
     # Relative, from the worker's receipt (no clock skew between hosts): past it the request is
     # aborted and each open choice ends with finish_reason "cancelled", error code
-    # "deadline_exceeded".
+    # "deadline_exceeded". At most INT32_MAX ms (~24.8 days).
     timeout_ms: PositiveInt | None = None
 
 
 class CancelRequest(msgspec.Struct, kw_only=True):
-    """Published on `Subjects.cancel` (every worker listens, no queue group)."""
+    """Published on `Subjects.cancel` (every worker listens, no queue group).
+
+    A cancel reaches only the request(s) with this request_id whose reply subject is
+    `reply_subject`: request ids are chosen by publishers and may collide (two publishers, a
+    retry), while the reply subject is the publisher's own inbox, which nobody else knows.
+    """
 
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    reply_subject: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]

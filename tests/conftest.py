@@ -41,8 +41,10 @@ def nats_server() -> Iterator[NatsServer]:
 
 @pytest.fixture(scope="session")
 async def engine(tiny_model: Path):  # -> VllmEngine
+    from worker import vllm_fast_merge
     from worker.vllm_engine import VllmEngine
 
+    vllm_fast_merge.install()  # as worker.cli.serve does
     engine = await VllmEngine.start(tiny_engine_args(tiny_model))
     yield engine
     engine.shutdown()

@@ -15,10 +15,9 @@ import nats
 import nats.errors
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from messages.codec import JSON, MSGPACK
+from messages.codec import MSGPACK
 from messages.request import CancelRequest
 from messages.subjects import Subjects
 from worker.client import RequestError, complete, generate
@@ -26,9 +25,9 @@ from worker.config import NatsConfig, WorkerConfig
 from worker.embedded import NatsServer
 from worker.service import Worker
 from worker.transport import connect
-from worker.validation import check_request
 
 from .conftest import TEST_SUBJECTS
+from .fuzzing import hostile_payloads, locally_valid
 from .helpers import exchange, make_request
 
 SUBJECT = TEST_SUBJECTS.generate
@@ -56,9 +55,11 @@ async def wait_engine_idle(engine, within: float) -> float:
     return time.monotonic() - started
 
 
-async def frames_of(nc, subject: str, payload: bytes, *, until=None) -> AsyncIterator[dict]:
+async def frames_of(
+    nc, subject: str, payload: bytes, *, inbox: str | None = None
+) -> AsyncIterator[dict]:
     """Raw frames (as maps) of one request; stays subscribed until the request ends."""
-    inbox = nc.new_inbox()
+    inbox = inbox or nc.new_inbox()
     subscription = await nc.subscribe(inbox)
     try:
         await nc.publish(subject, payload, reply=inbox)
@@ -79,12 +80,14 @@ async def test_fifty_streams_cancelled_mid_generation_free_the_engine(
 ) -> None:
     started = asyncio.Event()
     got_first = 0
+    inboxes = [client.new_inbox() for _ in range(50)]
 
     async def stream(i: int) -> list[dict]:
         nonlocal got_first
         frames = []
         request = make_request(f"cancel-{i}", [1, 10 + i, 300, 301], max_tokens=400)
-        async for frame in frames_of(client, SUBJECT, MSGPACK.encode(request)):
+        payload = MSGPACK.encode(request)
+        async for frame in frames_of(client, SUBJECT, payload, inbox=inboxes[i]):
             frames.append(frame)
             if len(frames) == 1:
                 got_first += 1
@@ -96,9 +99,8 @@ async def test_fifty_streams_cancelled_mid_generation_free_the_engine(
     await asyncio.wait_for(started.wait(), 120)
     assert engine.num_unfinished_requests() == 50
     for i in range(50):
-        await client.publish(
-            TEST_SUBJECTS.cancel, MSGPACK.encode(CancelRequest(request_id=f"cancel-{i}"))
-        )
+        cancel = CancelRequest(request_id=f"cancel-{i}", reply_subject=inboxes[i])
+        await client.publish(TEST_SUBJECTS.cancel, MSGPACK.encode(cancel))
     await client.flush()
     freed_after = await wait_engine_idle(engine, within=1.0)
     results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -153,8 +155,18 @@ async def test_abandoned_streams_are_detected_and_aborted(
 ) -> None:
     caplog.set_level(logging.INFO, logger="worker.service")
     subjects = Subjects("liveness", "vllm", "generate")
-    worker = await extra_worker(subjects, liveness_interval_s=0.25, liveness_timeout_s=0.25)
-    bound = worker.config.liveness_interval_s + worker.config.liveness_timeout_s + 0.5
+    worker = await extra_worker(
+        subjects, liveness_interval_s=0.25, liveness_timeout_s=0.25, client_gone_grace_s=0.5
+    )
+    config = worker.config
+    # A miss of the client's probe, a round probing each of its requests, misses spanning the
+    # grace, then one round trip.
+    bound = (
+        2 * config.liveness_interval_s
+        + config.client_gone_grace_s
+        + config.liveness_timeout_s
+        + 0.5
+    )
     subscriptions = []
     for i in range(8):
         inbox = client.new_inbox()
@@ -249,84 +261,6 @@ async def test_drain_lets_requests_finish_then_ends_the_rest(extra_worker, clien
 
 # --- fuzzing: hostile payloads, each must get exactly one invalid_request error frame ---
 
-_BASE = {"request_id": "fuzz", "token_ids": [1, 2, 3]}
-_FIELDS = [
-    ("request_id",),
-    ("token_ids",),
-    ("sampling_options",),
-    ("stop_conditions",),
-    ("output_options",),
-    ("eos_token_ids",),
-    ("annotations",),
-    ("timeout_ms",),
-    ("sampling_options", "n"),
-    ("sampling_options", "temperature"),
-    ("sampling_options", "top_p"),
-    ("sampling_options", "top_k"),
-    ("sampling_options", "min_p"),
-    ("sampling_options", "seed"),
-    ("sampling_options", "repetition_penalty"),
-    ("sampling_options", "use_beam_search"),
-    ("stop_conditions", "max_tokens"),
-    ("stop_conditions", "min_tokens"),
-    ("stop_conditions", "stop_token_ids"),
-    ("stop_conditions", "ignore_eos"),
-    ("stop_conditions", "stop"),
-    ("output_options", "logprobs"),
-    ("output_options", "prompt_logprobs"),
-]
-_hostile_values = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=20),
-    st.binary(max_size=20),
-    st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=6),
-    st.lists(st.text(max_size=3), max_size=3),
-    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
-)
-
-
-@st.composite
-def hostile_payloads(draw) -> tuple[bytes, bool]:
-    as_json = draw(st.booleans())
-    kind = draw(st.sampled_from(["bytes", "mutate", "mutate", "mutate", "huge"]))
-    if kind == "bytes":
-        return draw(st.binary(max_size=64)), as_json
-    payload = msgspec.json.decode(msgspec.json.encode(_BASE))
-    if kind == "huge":
-        payload["token_ids"] = [draw(st.integers(min_value=0, max_value=2**31))] * draw(
-            st.integers(600, 5000)
-        )
-    else:
-        for _ in range(draw(st.integers(1, 3))):
-            path = draw(st.sampled_from(_FIELDS))
-            target = payload
-            for key in path[:-1]:
-                if not isinstance(target.get(key), dict):
-                    target[key] = {}
-                target = target[key]
-            target[path[-1]] = draw(_hostile_values)
-    try:
-        data = (msgspec.json.encode if as_json else msgspec.msgpack.encode)(payload)
-    except (TypeError, OverflowError, msgspec.EncodeError):
-        data = msgspec.msgpack.encode(str(payload))
-        as_json = False
-    return data, as_json
-
-
-def _locally_valid(data: bytes, as_json: bool, limits) -> bool:
-    try:
-        request = (JSON if as_json else MSGPACK).decode_request(data)
-        check_request(request, limits)
-    except Exception:
-        return False
-    sampling = request.sampling_options
-    # Values the engine accepts: such a payload is a legitimate (if odd) request.
-    return sampling.temperature is None or sampling.temperature < 1e6
-
-
 FUZZ_SEEN: dict[str, int] = {"invalid": 0, "valid": 0}
 
 
@@ -346,7 +280,7 @@ FUZZ_SEEN: dict[str, int] = {"invalid": 0, "valid": 0}
 @given(case=hostile_payloads())
 async def test_fuzz_hostile_payloads_each_get_an_error_frame(worker, client, engine, case) -> None:
     data, as_json = case
-    if _locally_valid(data, as_json, engine.limits):
+    if locally_valid(data, as_json, engine.limits):
         FUZZ_SEEN["valid"] += 1
         return  # a legitimate request by chance: not what this test is about
     FUZZ_SEEN["invalid"] += 1

@@ -77,3 +77,37 @@ def test_non_flat_and_non_contiguous_arguments_take_vllms_path() -> None:
     )  # position 0 covers data index 1 only: not laid out from 0
     flat.extend(odd)
     assert flat.token_ids == [5, 7, 8] and flat.end_indices == [1, 2, 3]
+
+
+def test_installed_only_on_the_vllm_releases_it_was_written_for(monkeypatch, caplog) -> None:
+    import vllm
+
+    from worker import vllm_fast_merge
+
+    original = vllm_fast_merge._original or FlatLogprobs.extend
+    was_installed = vllm_fast_merge.installed()
+    vllm_fast_merge.uninstall()
+    try:
+        assert FlatLogprobs.extend is original  # vLLM's own method is back
+        monkeypatch.setattr(vllm, "__version__", "0.40.1")
+        assert not vllm_fast_merge.install()
+        assert "fast logprob merge not installed" in caplog.text
+        assert FlatLogprobs.extend is original
+        monkeypatch.setattr(vllm, "__version__", "0.24.0")
+        assert vllm_fast_merge.install()
+        assert FlatLogprobs.extend is not original
+    finally:
+        vllm_fast_merge.uninstall()
+        if was_installed:
+            monkeypatch.undo()
+            assert vllm_fast_merge.install()
+
+
+def test_starting_an_engine_does_not_install_it() -> None:
+    """Only the composition root (worker.cli.serve) and the test session install it."""
+    import inspect
+
+    from worker import cli, vllm_engine
+
+    assert "vllm_fast_merge.install" not in inspect.getsource(vllm_engine)
+    assert "vllm_fast_merge.install()" in inspect.getsource(cli.serve)

@@ -136,8 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--liveness-interval",
         type=float,
         default=2.0,
-        help="seconds between probes of each in-flight request's reply subject; a client gone is "
-        "noticed within this + one round trip and its request aborted (default: 2)",
+        help="seconds between probes of in-flight requests' clients (one probe per client and "
+        "round, see --client-gone-grace) (default: 2)",
+    )
+    nats.add_argument(
+        "--client-gone-grace",
+        type=float,
+        default=WorkerConfig.client_gone_grace_s,
+        help="seconds a client's reply subject must stay without a subscriber before its "
+        "requests are aborted; covers a client's reconnect after a broker outage "
+        f"(default: {WorkerConfig.client_gone_grace_s:g})",
+    )
+    nats.add_argument(
+        "--outage-wait",
+        type=float,
+        default=WorkerConfig.outage_wait_s,
+        help="seconds a request's frames may wait for the broker and its client to come back "
+        f"before the request is aborted (default: {WorkerConfig.outage_wait_s:g})",
     )
     nats.add_argument(
         "--health-interval",
@@ -213,6 +228,8 @@ def worker_config(args: argparse.Namespace, nats_url: str) -> WorkerConfig:
         max_tokens_limit=args.max_tokens_limit,
         max_request_bytes=args.max_request_bytes,
         liveness_interval_s=args.liveness_interval,
+        client_gone_grace_s=args.client_gone_grace,
+        outage_wait_s=args.outage_wait,
         max_concurrency=args.max_concurrency or (64 if args.mode == "jetstream" else None),
         drain_timeout_s=args.drain_timeout,
         health_interval_s=args.health_interval,
@@ -257,8 +274,11 @@ async def serve(
     """Runs the worker until SIGTERM/SIGINT (exit 0 after draining) or a dead engine (exit 1)."""
     from vllm.platforms import current_platform
 
+    from worker import vllm_fast_merge
     from worker.vllm_engine import VllmEngine
 
+    # Under load vLLM merges each request's pending DELTA outputs; the worker makes that cheap.
+    vllm_fast_merge.install()
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; see README
     stop = stop or asyncio.Event()
@@ -331,13 +351,18 @@ async def _run(
     try:
         if on_ready is not None:
             await on_ready(ready)
-        stopped = asyncio.create_task(stop.wait())
-        dead = asyncio.create_task(worker.engine_dead.wait())
-        await asyncio.wait({stopped, dead}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        dead.cancel()
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(worker.engine_dead.wait())]
+        if intake is not None:
+            waits.append(asyncio.create_task(intake.failed.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
         if intake is not None:
             await intake.stop()
+            if intake.failed.is_set():
+                log.error("jetstream intake failed: draining and exiting non-zero")
+                await worker.drain(config.drain_timeout_s)
+                return 1
         if worker.engine_dead.is_set():
             log.error("engine is dead: answering in-flight requests and exiting")
             tasks = worker.interrupt_all("engine_error", "the engine died: retry on another worker")

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from messages.codec import JSON, MSGPACK, Codec
+from messages.errors import is_refusal
 from messages.frames import ErrorInfo, ResponseFrame, TopLogprob, Usage
 from messages.request import CancelRequest, GenerateRequest
 from messages.subjects import CANCEL_TOKEN, SERVICE_NAME, Subjects
@@ -105,9 +106,12 @@ async def _read_frames(
             return
 
 
-async def _publish_cancel(nc: NATS, cancel_subject: str, request_id: str) -> None:
+async def _publish_cancel(nc: NATS, cancel_subject: str, request_id: str, inbox: str) -> None:
+    """Cancels the request of this id whose frames go to `inbox`: only the publisher knows its
+    inbox, so a request of another publisher with the same id is not touched."""
+    cancel = CancelRequest(request_id=request_id, reply_subject=inbox)
     try:
-        await nc.publish(cancel_subject, MSGPACK.encode(CancelRequest(request_id=request_id)))
+        await nc.publish(cancel_subject, MSGPACK.encode(cancel))
     except Exception:  # connection gone: the worker's liveness probe notices instead
         pass
 
@@ -138,7 +142,7 @@ async def stream_frames(
                 yield frame
     finally:
         if not state.ended and request_id is not None and cancel_subject is not None:
-            await _publish_cancel(nc, cancel_subject, request_id)
+            await _publish_cancel(nc, cancel_subject, request_id, inbox)
         await subscription.unsubscribe()
 
 
@@ -186,9 +190,6 @@ def fold(request_id: str, frames: list[ResponseFrame], choices: int) -> Completi
             choice.finish_reason = frame.finish_reason
             choice.usage = frame.completion_usage or None
     return result
-
-
-RETRYABLE_CODES = frozenset({"overloaded", "worker_shutdown"})
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ async def generate(
             )
         ) as frames:
             async for frame in frames:
-                if not yielded and frame.error and frame.error.code in RETRYABLE_CODES:
+                if not yielded and frame.error and is_refusal(frame.error.code):
                     refusal = frame.error
                     break
                 yielded = True
@@ -384,7 +385,7 @@ async def jetstream_generate(
                 yield frame
     finally:
         if not state.ended:
-            await _publish_cancel(nc, subjects.cancel, request.request_id)
+            await _publish_cancel(nc, subjects.cancel, request.request_id, inbox)
         await subscription.unsubscribe()
 
 

@@ -49,10 +49,17 @@ class WorkerConfig:
     """On SIGTERM/SIGINT: how long in-flight requests may still run before they are ended with
     a retryable `worker_shutdown` error frame."""
     liveness_interval_s: float = 2.0
-    """How often each in-flight request's reply subject is probed (an empty NATS request). A
-    "no responders" answer means the client is gone: the request is aborted. So an abandoned
-    stream is noticed within liveness_interval_s + one round trip."""
-    liveness_timeout_s: float = 1.0
+    """How often in-flight requests' clients are probed (an empty NATS request to a reply
+    subject, one per client and round; see worker/liveness.py). A "no responders" answer is a
+    miss; misses over client_gone_grace_s declare the client gone and abort its requests."""
+    liveness_timeout_s: float = 0.5
+    """How long a probe waits for "no responders" before it counts the subscriber as there."""
+    client_gone_grace_s: float = 6.0
+    """A client is declared gone only after its probes missed for this long: it covers a
+    client's reconnect after a broker outage (nats-py and nats.go retry every 2 s)."""
+    outage_wait_s: float = 60.0
+    """How long a request's frames may wait for the broker connection, and after a reconnect for
+    the client's resubscription, before the request is aborted (its deadline also ends it)."""
     max_request_bytes: int = 1024 * 1024
     """Larger payloads are refused with invalid_request (the server's max_payload also caps)."""
     max_tokens_limit: int | None = None

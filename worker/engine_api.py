@@ -24,6 +24,16 @@ class InvalidRequest(ValueError):
         self.rule = rule
 
 
+def describe(error: BaseException) -> str:
+    """`Type: message` of an error, never empty: an exception without text (vLLM's
+    EngineGenerateError is raised bare) is described by its cause, or by its type alone."""
+    text = str(error)
+    cause = error.__cause__ or error.__context__
+    if not text and cause is not None and cause is not error:
+        return f"{type(error).__name__}: {describe(cause)}"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 class EngineFailure(RuntimeError):
     """The engine failed this request (it may still serve others)."""
 

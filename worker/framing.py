@@ -19,6 +19,11 @@ from messages.frames import ResponseFrame
 Publish = Callable[[bytes], Awaitable[None]]
 
 
+class Undeliverable(RuntimeError):
+    """A frame cannot reach its client (gone, or the broker unreachable for too long): nothing
+    more, not even an error frame, can be sent for this request."""
+
+
 class FrameTooLarge(RuntimeError):
     """A single position does not fit in max_payload (the server's limit is absurdly small)."""
 

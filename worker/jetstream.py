@@ -34,6 +34,7 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from messages.subjects import Subjects
+from worker.engine_api import describe
 from worker.service import Delivery, Worker
 from worker.session import Outcome
 
@@ -128,7 +129,13 @@ async def ensure_stream_and_consumer(js, subjects: Subjects, settings: JetStream
 
 
 class JetStreamIntake:
-    """Pulls requests from the shared consumer into the worker, as capacity frees up."""
+    """Pulls requests from the shared consumer into the worker, as capacity frees up.
+
+    Invariants: every message taken is settled (ACK, NAK or TERM) whatever happens while taking
+    it; its in-progress ticker runs only while its request runs. The pull loop survives any
+    one message; if it dies anyway, `failed` is set and the worker exits non-zero rather than
+    stay registered and answering pings with nobody pulling.
+    """
 
     def __init__(
         self, worker: Worker, nc: NATS, settings: JetStreamSettings, capacity: int
@@ -140,6 +147,8 @@ class JetStreamIntake:
         self._subscription = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.failed = asyncio.Event()
+        """Set when the pull loop died: the worker must exit (cli: exit status 1)."""
 
     async def start(self) -> None:
         js = self.nc.jetstream()
@@ -149,6 +158,7 @@ class JetStreamIntake:
             durable=self.settings.durable, stream=stream
         )
         self._task = asyncio.create_task(self._pull())
+        self._task.add_done_callback(self._pull_ended)
         log.info(
             "jetstream: pulling %s (stream %s, consumer %s) up to %d at once",
             subjects.queue,
@@ -156,6 +166,13 @@ class JetStreamIntake:
             self.settings.durable,
             self.capacity,
         )
+
+    def _pull_ended(self, task: asyncio.Task[None]) -> None:
+        if self._stopping:
+            return
+        error = None if task.cancelled() else task.exception()
+        log.critical("jetstream: the pull loop ended unexpectedly: %r", error, exc_info=error)
+        self.failed.set()
 
     async def _pull(self) -> None:
         # Load-aware: ask only for as many messages as there are free slots, so a busy worker
@@ -179,7 +196,33 @@ class JetStreamIntake:
                 await asyncio.sleep(0.5)
                 continue
             for msg in messages:
-                await self._take(msg)
+                await self._take_guarded(msg)
+
+    async def _take_guarded(self, msg: Msg) -> None:
+        """Takes one message; a failure while taking it settles it instead of ending the loop."""
+        try:
+            await self._take(msg)
+        except Exception as error:
+            log.exception("jetstream: taking a message failed")
+            await self._settle_failed(msg, error)
+
+    async def _settle_failed(self, msg: Msg, error: Exception) -> None:
+        """A message whose taking raised (a worker bug: the payload's faults are answered as
+        invalid_request by accept): internal_error, retryable, so NAK while attempts are left;
+        on the last one answer with an error frame and TERM."""
+        attempt = msg.metadata.num_delivered
+        try:
+            if attempt < self.settings.max_deliver:
+                await msg.nak(delay=0.5)
+                return
+            reply = (msg.headers or {}).get(REPLY_HEADER, "")
+            if reply:
+                await self.worker.answer_error(
+                    reply, msg.headers, attempt, "internal_error", describe(error)
+                )
+            await msg.term()
+        except Exception:
+            log.exception("jetstream: could not settle a failed message (it will be redelivered)")
 
     async def _take(self, msg: Msg) -> None:
         attempt = msg.metadata.num_delivered
@@ -191,10 +234,11 @@ class JetStreamIntake:
         if self._stopping:
             await msg.nak()
             return
-        progress = asyncio.create_task(self._keep_in_progress(msg))
+        progress: asyncio.Task[None] | None = None
 
         async def settle(outcome: Outcome) -> None:
-            progress.cancel()
+            if progress is not None:
+                progress.cancel()
             if outcome.requeue:
                 log.info(
                     "request %s attempt %d: NAK for another attempt", outcome.request_id, attempt
@@ -205,15 +249,11 @@ class JetStreamIntake:
             else:
                 await msg.ack()
 
-        async def publish(data: bytes) -> None:
-            await self.nc.publish(reply, data)
-
         refused = await self.worker.accept(
             Delivery(
                 msg.data,
                 msg.headers,
                 reply,
-                publish,
                 self.worker.config.subjects.queue,
                 time.monotonic_ns(),
                 attempt=attempt,
@@ -222,12 +262,14 @@ class JetStreamIntake:
                 on_done=settle,
             )
         )
-        if refused is not None:
-            progress.cancel()
-            if refused == "invalid_request":
-                await msg.term()  # answered with an error frame; retrying cannot help
-            else:
-                await msg.nak()
+        if refused is None:
+            # Running: settle() runs when it ends, which cannot be before this line (no await
+            # since accept returned), so the ticker is always there to cancel.
+            progress = asyncio.create_task(self._keep_in_progress(msg))
+        elif refused == "invalid_request":
+            await msg.term()  # answered with an error frame; retrying cannot help
+        else:
+            await msg.nak()
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         interval = self.settings.ack_wait_s / 3

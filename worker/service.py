@@ -2,7 +2,9 @@
 
 message → codec by Content-Type → decode (errors become an error frame) → admission
 (max_concurrency) → one task per request running a RequestSession → frames to the message's
-reply subject. The generate subjects are NATS micro endpoints (see worker/discovery.py).
+reply subject, through worker/liveness.py (which holds frames through a broker outage and finds
+clients that are gone). The generate subjects are NATS micro endpoints (see
+worker/discovery.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -25,12 +26,13 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 
 from messages.codec import Codec, codec_for
-from messages.frames import ErrorCode
+from messages.errors import ErrorCode
 from messages.subjects import SERVICE_NAME
 from worker import discovery, transport
 from worker.config import WorkerConfig
-from worker.engine_api import Engine, EngineDead, InvalidRequest
-from worker.framing import FrameWriter, Publish
+from worker.engine_api import Engine, EngineDead, InvalidRequest, describe
+from worker.framing import FrameWriter
+from worker.liveness import Listener, Liveness
 from worker.metrics import WorkerMetrics
 from worker.session import Outcome, RequestSession, send_error
 from worker.validation import admit
@@ -38,16 +40,35 @@ from worker.validation import admit
 log = logging.getLogger(__name__)
 
 
+class _RequestId(msgspec.Struct):
+    request_id: str = ""
+
+
+_ID_DECODERS = {
+    "json": msgspec.json.Decoder(_RequestId),
+    "msgpack": msgspec.msgpack.Decoder(_RequestId),
+}
+
+
 def _salvage_request_id(codec: Codec, data: bytes) -> str:
-    """The request_id of a payload that failed validation, if it has a readable one."""
-    decode = msgspec.json.decode if codec.content_type.endswith("json") else msgspec.msgpack.decode
+    """The request_id of a payload that was refused, if it has a readable one (other fields
+    are skipped, not built)."""
+    decoder = _ID_DECODERS["json" if codec.content_type.endswith("json") else "msgpack"]
     try:
-        decoded = decode(data)
-    except Exception:
+        return decoder.decode(data).request_id[:256]
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return ""
-    if isinstance(decoded, dict) and isinstance(decoded.get("request_id"), str):
-        return decoded["request_id"][:256]
-    return ""
+
+
+def _decode(codec: Codec, data: bytes):  # -> GenerateRequest
+    """Decodes a request; every way a payload can be unreadable is an InvalidRequest."""
+    try:
+        return codec.decode_request(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise InvalidRequest("invalid payload", str(error)) from error
+    except RecursionError as error:
+        # msgspec decodes nested containers recursively, skipped unknown fields included.
+        raise InvalidRequest("invalid payload", "nested too deeply to decode") from error
 
 
 @dataclass
@@ -57,9 +78,9 @@ class Delivery:
     data: bytes
     headers: dict[str, str] | None
     reply: str
-    publish: Publish
     subject: str
     arrived: int
+    """time.monotonic_ns() when the message was taken from NATS."""
     attempt: int | None = None
     """JetStream delivery attempt (frames carry it); None for core NATS."""
     final_attempt: bool = True
@@ -73,7 +94,7 @@ class InFlight:
 
     session: RequestSession
     task: asyncio.Task[None]
-    reply: str
+    listener: Listener
     deadline: asyncio.TimerHandle | None = None
 
 
@@ -97,6 +118,13 @@ class Worker:
         self._stats: discovery.EndpointStatsRecorder | None = None
         self._in_flight: dict[asyncio.Task[None], InFlight] = {}
         self._cancel_subscription: Subscription | None = None
+        self.liveness = Liveness(
+            nc,
+            interval_s=config.liveness_interval_s,
+            probe_timeout_s=config.liveness_timeout_s,
+            grace_s=config.client_gone_grace_s,
+            outage_wait_s=config.outage_wait_s,
+        )
         self._liveness: asyncio.Task[None] | None = None
         self._draining = False
         self.engine_dead = asyncio.Event()
@@ -122,7 +150,7 @@ class Worker:
         subjects = self.config.subjects
         # Cancels go to every worker (no queue group): only the one serving the id acts.
         self._cancel_subscription = await self.nc.subscribe(subjects.cancel, cb=self._on_cancel)
-        self._liveness = asyncio.create_task(self._probe_clients())
+        self._liveness = asyncio.create_task(self.liveness.run())
         # Once start returns, the server holds every subscription above: a request published
         # right after (by a test, a supervisor, a client that saw the worker in discovery)
         # reaches this worker.
@@ -156,16 +184,7 @@ class Worker:
             )
             self._record(request.subject, arrived, "no reply subject")
             return
-        delivery = Delivery(
-            request.data,
-            request.headers,
-            reply,
-            # What micro's `request.respond` does, minus its coroutine layer: this runs for
-            # every frame.
-            functools.partial(self.nc.publish, reply),
-            request.subject,
-            arrived,
-        )
+        delivery = Delivery(request.data, request.headers, reply, request.subject, arrived)
         try:
             await self.accept(delivery)
         except Exception as error:
@@ -173,11 +192,34 @@ class Worker:
             # that frame readers cannot tell from a liveness probe. accept publishes at most one
             # frame, its last step, so an error here means none went out: this one is seq 0.
             log.exception("request on %s failed before it was admitted", request.subject)
-            writer = FrameWriter(codec_for(request.headers), self.nc.max_payload, delivery.publish)
+            self._record(delivery.subject, delivery.arrived, f"internal_error: {error!r}")
             try:
-                await self._refuse(writer, delivery, "", "internal_error", repr(error))
+                await self.answer_error(
+                    reply, request.headers, None, "internal_error", describe(error)
+                )
             except Exception:
                 log.exception("could not answer the failed request on %s", request.subject)
+
+    def _writer(
+        self, reply: str, headers: dict[str, str] | None, attempt: int | None
+    ) -> tuple[FrameWriter, Listener]:
+        """The frame writer for one reply subject, publishing through the liveness gate."""
+        listener = self.liveness.listener(reply)
+        publish = functools.partial(self.liveness.publish, listener)
+        codec = codec_for(headers)
+        return FrameWriter(codec, self.nc.max_payload, publish, attempt), listener
+
+    async def answer_error(
+        self,
+        reply: str,
+        headers: dict[str, str] | None,
+        attempt: int | None,
+        code: ErrorCode,
+        message: str,
+    ) -> None:
+        """Ends a request that failed before it ran with its one error frame (seq 0)."""
+        writer, _ = self._writer(reply, headers, attempt)
+        await self._answer(writer, "", code, message)
 
     async def accept(self, delivery: Delivery) -> ErrorCode | None:
         """Validates and admits one request, then serves it in its own task.
@@ -186,9 +228,8 @@ class Worker:
         answered with an error frame, except for a JetStream delivery refused for capacity or
         drain (`delivery.requeue_refusals`), which its caller NAKs for another worker instead.
         """
-        codec = codec_for(delivery.headers)
-        writer = FrameWriter(codec, self.nc.max_payload, delivery.publish, delivery.attempt)
-        request_id = ""
+        writer, listener = self._writer(delivery.reply, delivery.headers, delivery.attempt)
+        codec = writer.codec
         try:
             if len(delivery.data) > self.config.max_request_bytes:
                 raise InvalidRequest(
@@ -196,16 +237,13 @@ class Worker:
                     f"{len(delivery.data)} bytes exceeds max_request_bytes "
                     f"{self.config.max_request_bytes}",
                 )
-            try:
-                decoded = codec.decode_request(delivery.data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                request_id = _salvage_request_id(codec, delivery.data)
-                raise InvalidRequest("invalid payload", str(error)) from error
-            request_id = decoded.request_id
+            decoded = _decode(codec, delivery.data)
             admit(decoded, self.limits)
         except InvalidRequest as error:
+            request_id = _salvage_request_id(codec, delivery.data)
             await self._refuse(writer, delivery, request_id, "invalid_request", str(error))
             return "invalid_request"
+        request_id = decoded.request_id
         limit = self.config.max_concurrency
         refusal: tuple[ErrorCode, str] | None = None
         if self._draining:
@@ -218,10 +256,17 @@ class Worker:
             return refusal[0]
         engine_request_id = f"{decoded.request_id}-{uuid.uuid4().hex[:12]}"
         session = RequestSession(
-            decoded, self.engine, writer, engine_request_id, self.metrics, delivery.final_attempt
+            decoded,
+            self.engine,
+            writer,
+            engine_request_id,
+            self.metrics,
+            delivery.final_attempt,
+            arrived=delivery.arrived / 1e9,
         )
         task = asyncio.create_task(self._serve(session, delivery))
-        entry = InFlight(session, task, delivery.reply)
+        entry = InFlight(session, task, listener)
+        self.liveness.track(listener, functools.partial(self._client_gone, entry))
         if decoded.timeout_ms is not None:
             entry.deadline = asyncio.get_running_loop().call_later(
                 decoded.timeout_ms / 1000,
@@ -237,42 +282,30 @@ class Worker:
 
     def _done(self, task: asyncio.Task[None]) -> None:
         entry = self._in_flight.pop(task)
+        self.liveness.untrack(entry.listener)
         if entry.deadline is not None:
             entry.deadline.cancel()
         self.capacity_freed.set()
 
+    def _client_gone(self, entry: InFlight) -> None:
+        if not entry.task.done():
+            log.info("request %s: client gone, aborting", entry.session.request.request_id)
+            entry.session.cancel(entry.task, "client_gone", "nobody listens on the reply subject")
+
     async def _on_cancel(self, msg: Msg) -> None:
         try:
-            request_id = codec_for(msg.headers).decode_cancel(msg.data).request_id
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            log.info("ignored an invalid cancel on %s: %s", msg.subject, error)
+            cancel = codec_for(msg.headers).decode_cancel(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as error:
+            log.warning("ignored an invalid cancel on %s: %s", msg.subject, error)
             return
+        # Bound to the reply subject: an equal request_id of another publisher is not touched.
         for entry in list(self._in_flight.values()):
-            if entry.session.request.request_id == request_id:
-                log.info("request %s cancelled by its client", request_id)
+            if (
+                entry.session.request.request_id == cancel.request_id
+                and entry.listener.reply == cancel.reply_subject
+            ):
+                log.info("request %s cancelled by its client", cancel.request_id)
                 entry.session.cancel(entry.task)
-
-    async def _probe_clients(self) -> None:
-        """Aborts requests whose client is gone: their reply subject has no subscriber, which
-        the server answers to a NATS request with "no responders". A live client just receives
-        an empty message (readers skip those) and does not answer, so the probe times out."""
-        while True:
-            await asyncio.sleep(self.config.liveness_interval_s)
-            entries = list(self._in_flight.values())
-            if entries and self.nc.is_connected:
-                await asyncio.gather(*(self._probe(entry) for entry in entries))
-
-    async def _probe(self, entry: InFlight) -> None:
-        try:
-            await self.nc.request(entry.reply, b"", timeout=self.config.liveness_timeout_s)
-        except nats.errors.NoRespondersError:
-            if not entry.task.done():
-                log.info("request %s: client gone, aborting", entry.session.request.request_id)
-                entry.session.cancel(
-                    entry.task, "client_gone", "nobody listens on the reply subject"
-                )
-        except Exception:  # timeout (client alive) or connection trouble: try again next round
-            pass
 
     async def _refuse(
         self,
@@ -282,12 +315,17 @@ class Worker:
         code: ErrorCode,
         message: str,
     ) -> None:
+        await self._answer(writer, request_id, code, message)
+        self._record(delivery.subject, delivery.arrived, f"{code}: {message}")
+
+    async def _answer(
+        self, writer: FrameWriter, request_id: str, code: ErrorCode, message: str
+    ) -> None:
         log.info("request %s %s error=%r", request_id or "-", code, message)
         await send_error(writer, request_id, code, message)
         if self.metrics is not None:
             self.metrics.error(code)
             self.metrics.finished(code)
-        self._record(delivery.subject, delivery.arrived, f"{code}: {message}")
 
     async def _serve(self, session: RequestSession, delivery: Delivery) -> None:
         if self.metrics is not None:

@@ -19,17 +19,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from messages.frames import ErrorCode, ErrorInfo, ResponseFrame, Usage
+from messages.errors import ErrorCode, is_retryable, kind
+from messages.frames import ErrorInfo, ResponseFrame, Usage
 from messages.request import GenerateRequest
-from worker.engine_api import Engine, EngineDead, EngineFailure, InvalidRequest
-from worker.framing import FrameTooLarge, FrameWriter
+from worker.engine_api import Engine, EngineDead, EngineFailure, InvalidRequest, describe
+from worker.framing import FrameTooLarge, FrameWriter, Undeliverable
 from worker.logprobs import AlignmentError
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
-
-# Failures that are not the request's fault: another worker (or attempt) may succeed.
-RETRYABLE: frozenset[str] = frozenset({"engine_error", "internal_error", "worker_shutdown"})
 
 
 @dataclass
@@ -62,7 +60,7 @@ async def send_error(
             seq=0,
             index=index,
             finish_reason="error",
-            error=ErrorInfo(code=code, message=message),
+            error=ErrorInfo(code=code, message=message or kind(code).meaning),
         )
     )
 
@@ -76,7 +74,11 @@ class RequestSession:
         engine_request_id: str,
         metrics: WorkerMetrics | None = None,
         final_attempt: bool = True,
+        *,
+        arrived: float | None = None,
     ) -> None:
+        """`arrived`: time.monotonic() when the request's message was taken from NATS (what
+        time to first token counts from); default now."""
         self.request = request
         # False while a JetStream redelivery can still retry the request: retryable failures
         # then end silently (the next attempt answers) instead of with an error frame.
@@ -87,6 +89,8 @@ class RequestSession:
         self.metrics = metrics
         n = request.sampling_options.n
         self.outcome = Outcome(request.request_id, [None] * n)
+        if arrived is not None:
+            self.outcome.started = arrived
         self._generated = [0] * n
         self._last_token_at: list[float | None] = [None] * n
         # (cancel?, reason code, message) of an interrupt; None while not interrupted.
@@ -121,6 +125,11 @@ class RequestSession:
                 await self._send_cancelled(code, message)
             else:
                 await self._fail(code or "internal_error", message)
+        except Undeliverable as error:
+            # Nothing can reach the client, an error frame included: record why, send nothing.
+            log.warning("request %s: %s", self.request.request_id, error)
+            self.outcome.error_code = "client_gone"
+            self.outcome.error_message = str(error)
         except InvalidRequest as error:
             await self._fail("invalid_request", str(error))
         except EngineDead as error:
@@ -130,7 +139,7 @@ class RequestSession:
             await self._fail("engine_error", str(error))
         except Exception as error:  # a bug must not leave the client waiting
             log.exception("request %s failed", self.request.request_id)
-            await self._fail("internal_error", f"{type(error).__name__}: {error}")
+            await self._fail("internal_error", describe(error))
         finally:
             self.outcome.completion_tokens = sum(self._generated)
         return self.outcome
@@ -194,6 +203,9 @@ class RequestSession:
             self.outcome.finish_reasons[index] = "cancelled"
             try:
                 await self.writer.send(frame)
+            except Undeliverable as error:
+                log.warning("request %s: cancel frame not sent: %s", self.request.request_id, error)
+                return
             except Exception:
                 log.exception("could not send the cancel frame of %s", self.request.request_id)
 
@@ -212,10 +224,12 @@ class RequestSession:
     async def _fail(self, code: ErrorCode, message: str) -> None:
         self.outcome.error_code = code
         self.outcome.error_message = message
-        if code in RETRYABLE and not self.final_attempt:
+        if is_retryable(code) and not self.final_attempt:
             self.outcome.requeue = True
             return
         try:
             await send_error(self.writer, self.request.request_id, code, message)
+        except Undeliverable as error:
+            log.warning("request %s: error frame not sent: %s", self.request.request_id, error)
         except Exception:
             log.exception("could not send the error frame of %s", self.request.request_id)

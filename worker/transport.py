@@ -1,4 +1,4 @@
-"""NATS transport: connection (auth, TLS, server list) and reply publishing.
+"""NATS transport: connection (auth, TLS, server list) and a flush that keeps command order.
 
 Everything NATS-specific that is not about one request lives here; the service composes it.
 """
@@ -73,9 +73,3 @@ async def flush(nc: NATS, timeout: float = 10.0) -> None:
     await nc._flush_pending(force_flush=True)
     await nc.flush(timeout)
 
-
-def reply_publisher(nc: NATS, subject: str):  # -> framing.Publish
-    async def publish(data: bytes) -> None:
-        await nc.publish(subject, data)
-
-    return publish

@@ -6,8 +6,9 @@ The only module that imports vllm. It runs the same code on vLLM 0.24 (GPU) and 
 Speed choices (measured on the GPU, see ../shared/gpu/README.md): outputs are DELTA (no
 cumulative re-slicing), logprobs are asked `flat_logprobs=True` (a constant number of Python
 objects per step) and `detokenize=False` (text is the frontend's job; `token`/`bytes` come from the
-TokenTable built once here). vLLM's merge of pending flat logprobs is replaced by a cheaper one
-with the same result (worker/vllm_fast_merge.py).
+TokenTable built once here). The worker's composition root also replaces vLLM's merge of pending
+flat logprobs by a cheaper one with the same result (worker/vllm_fast_merge.py); this adapter
+works with or without it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from messages.frames import FinishReason
 from messages.request import GenerateRequest
-from worker import logprobs, vllm_fast_merge
+from worker import logprobs, reaper
 from worker.engine_api import (
     ChoiceDelta,
     EngineDead,
@@ -37,6 +38,7 @@ from worker.engine_api import (
     EngineStep,
     InvalidRequest,
     PromptRows,
+    describe,
 )
 from worker.tokens import TokenTable
 from worker.validation import max_new_tokens
@@ -45,6 +47,15 @@ try:  # vLLM >= 0.11 raises its own validation error type, which is not a ValueE
     from vllm.exceptions import VLLMValidationError as _VllmValidationError
 except ImportError:  # pragma: no cover - older vLLM
     _VllmValidationError = ValueError  # type: ignore[assignment,misc]
+try:  # the base of every "the request is at fault" error, where vLLM has one
+    from vllm.exceptions import VLLMClientError as _VllmClientError
+except ImportError:  # pragma: no cover - older vLLM
+    _VllmClientError = _VllmValidationError  # type: ignore[assignment,misc]
+
+# What vLLM raises for a request it refuses as invalid, before its first output: its own client
+# errors, and (older vLLM, or input processing) a plain ValueError. The newest vLLM wraps the
+# latter in a bare EngineGenerateError, so the cause is looked at too.
+_INPUT_ERRORS = (ValueError, _VllmValidationError, _VllmClientError)
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +79,18 @@ _FIELD_OF_PARAMETER = {
 }
 
 
-def _invalid(error: Exception, default_field: str) -> InvalidRequest:
+def _invalid(error: BaseException, default_field: str) -> InvalidRequest:
     parameter = getattr(error, "parameter", None)
     field = _FIELD_OF_PARAMETER.get(parameter or "", default_field)
-    return InvalidRequest(field, str(error))
+    return InvalidRequest(field, str(error) or describe(error))
+
+
+def _input_error(error: BaseException) -> BaseException | None:
+    """The vLLM input-validation error behind `error` (itself or its cause), if it is one."""
+    for candidate in (error, error.__cause__):
+        if isinstance(candidate, _INPUT_ERRORS):
+            return candidate
+    return None
 
 
 class VllmEngine:
@@ -84,9 +103,8 @@ class VllmEngine:
 
     @classmethod
     async def start(cls, engine_args: AsyncEngineArgs) -> VllmEngine:
+        reaper.watch_this_process()  # EngineCore & co. die with this process: see worker/reaper.py
         log.info("starting vLLM engine for model %s", engine_args.model)
-        # Under load vLLM merges each request's pending DELTA outputs; make that merge cheap.
-        vllm_fast_merge.install()
         llm = AsyncLLM.from_engine_args(engine_args)
         model_config = llm.model_config
         tokenizer = llm.get_tokenizer()
@@ -154,7 +172,7 @@ class VllmEngine:
                 output_kind=RequestOutputKind.DELTA,
                 **kwargs,
             )
-        except (ValueError, TypeError, _VllmValidationError) as error:
+        except _INPUT_ERRORS as error:
             raise _invalid(error, "sampling_options") from error
 
     async def generate(
@@ -166,8 +184,26 @@ class VllmEngine:
         want_prompt = request.output_options.prompt_logprobs
         k = request.output_options.logprobs
         prompt_done = want_prompt is None
+        outputs = self._llm.generate(prompt, params, engine_request_id)
+        first = True
         try:
-            async for out in self._llm.generate(prompt, params, engine_request_id):
+            while True:
+                # Only vLLM's own calls are inside this translation: an error in the worker's
+                # row building below is a worker bug (internal_error), never the request's fault.
+                try:
+                    out = await anext(outputs)
+                except StopAsyncIteration:
+                    return
+                except EngineDeadError as error:
+                    raise EngineDead(str(error) or "vLLM engine is dead") from error
+                except Exception as error:
+                    cause = _input_error(error) if first else None
+                    if cause is not None:
+                        raise _invalid(cause, "request") from error
+                    if self._llm.errored:
+                        raise EngineDead(f"vLLM engine failed: {describe(error)}") from error
+                    raise EngineFailure(describe(error)) from error
+                first = False
                 prompt_rows = None
                 if not prompt_done and out.prompt_logprobs:
                     rows = logprobs.extract(
@@ -180,16 +216,8 @@ class VllmEngine:
                     prompt_rows = PromptRows(*rows)
                     prompt_done = True
                 yield EngineStep(prompt_rows, [self._delta(c, k, eos_ids) for c in out.outputs])
-        except EngineDeadError as error:
-            raise EngineDead(str(error) or "vLLM engine is dead") from error
-        except (ValueError, _VllmValidationError) as error:
-            raise _invalid(error, "request") from error
-        except (InvalidRequest, logprobs.AlignmentError):
-            raise
-        except Exception as error:
-            if self._llm.errored:
-                raise EngineDead(f"vLLM engine failed: {error!r}") from error
-            raise EngineFailure(f"{type(error).__name__}: {error}") from error
+        finally:
+            await outputs.aclose()
 
     def _delta(
         self, output: CompletionOutput, k: int | None, eos_ids: frozenset[int]

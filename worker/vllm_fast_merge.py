@@ -11,27 +11,65 @@ worker overhead.
 `install()` replaces `FlatLogprobs.extend`, for a FlatLogprobs argument whose positions are laid
 out contiguously from 0 (what vLLM's DELTA slices are), by list concatenation with shifted
 indices; anything else goes to vLLM's own method. The result is the same container, field by field
-(tests/test_vllm_fast_merge.py). It patches the class once per process, which the worker owns.
+(tests/test_vllm_fast_merge.py).
+
+It changes a vLLM class for the whole process, so it is explicit and bounded: only the worker's
+composition root (`worker.cli.serve`) and the test session install it, never the engine adapter
+as a side effect; it installs only on the vLLM versions whose FlatLogprobs it was written and
+tested against (`SUPPORTED`), and otherwise logs a warning and leaves vLLM as it is; `uninstall()`
+puts vLLM's method back (a benchmark's stock-vLLM baseline runs without it).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-_installed = False
+log = logging.getLogger(__name__)
+
+# [lowest, highest) vLLM release the replacement is written for: FlatLogprobs with the fields
+# below and an `extend` that appends position by position (0.24.0 on the GPU, 0.32.0 on CPU).
+SUPPORTED = ((0, 24), (0, 33))
+_FIELDS = ("start_indices", "end_indices", "token_ids", "logprobs", "ranks", "decoded_tokens")
+
+_original: Any = None
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def install() -> bool:
-    """Installs the fast merge; False where this vLLM has no FlatLogprobs.extend to replace."""
-    global _installed
-    if _installed:
+    """Installs the fast merge; False (with a warning) where this vLLM is not one it was
+    written for, or has no FlatLogprobs.extend to replace."""
+    global _original
+    if _original is not None:
         return True
     try:
+        from vllm import __version__ as vllm_version
         from vllm.logprobs import FlatLogprobs
-    except ImportError:  # pragma: no cover - a vLLM without flat logprobs
+    except ImportError:
+        log.warning("fast logprob merge not installed: this vLLM has no FlatLogprobs")
         return False
+    release = _release(vllm_version)
     original = getattr(FlatLogprobs, "extend", None)
-    if original is None:  # pragma: no cover
+    fields = getattr(FlatLogprobs, "__dataclass_fields__", {})
+    if (
+        release is None
+        or not SUPPORTED[0] <= release < SUPPORTED[1]
+        or original is None
+        or not all(name in fields for name in _FIELDS)
+    ):
+        log.warning(
+            "fast logprob merge not installed: written for vLLM %s.%s to before %s.%s, this is %s",
+            *SUPPORTED[0],
+            *SUPPORTED[1],
+            vllm_version,
+        )
         return False
 
     def extend(self: Any, other: Any) -> None:
@@ -48,8 +86,23 @@ def install() -> bool:
 
     extend.__doc__ = original.__doc__
     FlatLogprobs.extend = extend
-    _installed = True
+    _original = original
     return True
+
+
+def uninstall() -> None:
+    """Puts vLLM's own FlatLogprobs.extend back (no-op when not installed)."""
+    global _original
+    if _original is None:
+        return
+    from vllm.logprobs import FlatLogprobs
+
+    FlatLogprobs.extend = _original
+    _original = None
+
+
+def installed() -> bool:
+    return _original is not None
 
 
 def _contiguous(flat: Any) -> bool:

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from nats.aio.client import Client as NATS
 
+from messages.errors import kind
 from messages.frames import ResponseFrame
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from messages.subjects import Subjects
@@ -49,16 +50,6 @@ from worker.frontend.tokenizer import ChatTemplateMissing, ModelTokenizer
 
 log = logging.getLogger(__name__)
 
-# Worker error codes → (HTTP status, OpenAI error type).
-ERROR_STATUS: dict[str, tuple[int, str]] = {
-    "invalid_request": (400, "invalid_request_error"),
-    "overloaded": (503, "service_unavailable"),
-    "worker_shutdown": (503, "service_unavailable"),
-    "deadline_exceeded": (504, "timeout"),
-    "client_gone": (499, "client_gone"),
-    "engine_error": (500, "internal_error"),
-    "internal_error": (500, "internal_error"),
-}
 DISCONNECT_POLL_S = 0.25
 
 
@@ -97,8 +88,8 @@ class OpenAIError(Exception):
 
     @classmethod
     def from_worker(cls, code: str, message: str) -> OpenAIError:
-        status, type_ = ERROR_STATUS.get(code, (500, "internal_error"))
-        return cls(status, message, type_, code=code)
+        error = kind(code)
+        return cls(error.http_status, message, error.openai_type, code=code)
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:

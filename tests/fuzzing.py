@@ -1,0 +1,108 @@
+"""Hostile request payloads for the fuzz tests of both intake modes (hypothesis strategies)."""
+
+from __future__ import annotations
+
+import msgspec
+from hypothesis import strategies as st
+
+from messages.codec import JSON, MSGPACK
+from worker.validation import check_request
+
+_BASE = {"request_id": "fuzz", "token_ids": [1, 2, 3]}
+_FIELDS = [
+    ("request_id",),
+    ("token_ids",),
+    ("sampling_options",),
+    ("stop_conditions",),
+    ("output_options",),
+    ("eos_token_ids",),
+    ("annotations",),
+    ("timeout_ms",),
+    ("sampling_options", "n"),
+    ("sampling_options", "temperature"),
+    ("sampling_options", "top_p"),
+    ("sampling_options", "top_k"),
+    ("sampling_options", "min_p"),
+    ("sampling_options", "seed"),
+    ("sampling_options", "repetition_penalty"),
+    ("sampling_options", "use_beam_search"),
+    ("stop_conditions", "max_tokens"),
+    ("stop_conditions", "min_tokens"),
+    ("stop_conditions", "stop_token_ids"),
+    ("stop_conditions", "ignore_eos"),
+    ("stop_conditions", "stop"),
+    ("output_options", "logprobs"),
+    ("output_options", "prompt_logprobs"),
+]
+_hostile_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+    st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=6),
+    st.lists(st.text(max_size=3), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+)
+
+
+_PLACEHOLDER = "<deep value>"
+
+
+def _deeply_nested(draw, payload: dict, as_json: bool) -> bytes:
+    """The payload with one field (known or not) nested 500-3000 maps or lists deep, written
+    by hand: msgspec itself cannot encode (or decode) that deep."""
+    depth = draw(st.integers(500, 3000))
+    key = draw(st.sampled_from(["junk", "sampling_options", "token_ids", "annotations"]))
+    as_map = draw(st.booleans())
+    payload[key] = _PLACEHOLDER
+    if as_json:
+        deep = (b'{"a":' if as_map else b"[") * depth + b"1" + (b"}" if as_map else b"]") * depth
+        return msgspec.json.encode(payload).replace(msgspec.json.encode(_PLACEHOLDER), deep)
+    opening = b"\x81\xa1a" if as_map else b"\x91"  # fixmap of 1 / fixarray of 1
+    deep = opening * depth + b"\x01"
+    return msgspec.msgpack.encode(payload).replace(msgspec.msgpack.encode(_PLACEHOLDER), deep)
+
+
+@st.composite
+def hostile_payloads(draw) -> tuple[bytes, bool]:
+    as_json = draw(st.booleans())
+    kind = draw(st.sampled_from(["bytes", "mutate", "mutate", "mutate", "huge", "deep"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=64)), as_json
+    payload = msgspec.json.decode(msgspec.json.encode(_BASE))
+    if kind == "deep":
+        return _deeply_nested(draw, payload, as_json), as_json
+    if kind == "huge":
+        payload["token_ids"] = [draw(st.integers(min_value=0, max_value=2**31))] * draw(
+            st.integers(600, 5000)
+        )
+    else:
+        for _ in range(draw(st.integers(1, 3))):
+            path = draw(st.sampled_from(_FIELDS))
+            target = payload
+            for key in path[:-1]:
+                if not isinstance(target.get(key), dict):
+                    target[key] = {}
+                target = target[key]
+            target[path[-1]] = draw(_hostile_values)
+    try:
+        data = (msgspec.json.encode if as_json else msgspec.msgpack.encode)(payload)
+    except (TypeError, OverflowError, msgspec.EncodeError):
+        data = msgspec.msgpack.encode(str(payload))
+        as_json = False
+    return data, as_json
+
+
+def locally_valid(data: bytes, as_json: bool, limits) -> bool:
+    try:
+        request = (JSON if as_json else MSGPACK).decode_request(data)
+        check_request(request, limits)
+    except Exception:
+        return False
+    sampling = request.sampling_options
+    # Values the engine accepts: such a payload is a legitimate (if odd) request.
+    return sampling.temperature is None or sampling.temperature < 1e6
+
+
