@@ -79,3 +79,8 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     path = OUT_DIR / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return path
+
+
+def offline() -> None:
+    """Benchmarks run where there is no model hub: the models are built locally."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -163,7 +163,7 @@ class DirectSender:
     """The baseline: the same request straight into the same in-process AsyncLLM, with the
     worker's own SamplingParams (flat logprobs, no detokenize, DELTA), nothing else."""
 
-    def __init__(self, engine) -> None:  # engine: worker.vllm_engine.VllmEngine
+    def __init__(self, engine) -> None:  # engine: worker.engine.vllm_adapter.VllmEngine
         from vllm.inputs import TokensPrompt
 
         self.engine = engine

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import msgspec
 import nats
 
 from bench.load import NatsSender, RunResult, prompts, run
-from worker.transport import flush
+from worker.nats.compat import flush_ordered
 
 
 class RunSpec(msgspec.Struct):
@@ -66,11 +67,14 @@ async def serve(nats_url: str, subject: str, control: str) -> None:
         await msg.respond(msgspec.json.encode(answer))
 
     await nc.subscribe(control, cb=on_run)
-    await flush(nc)
+    await flush_ordered(nc)
     print("ready", flush=True)
     await done.wait()
     await sender.stop()
     await nc.drain()
+
+
+_LOAD_PROCESSES = itertools.count()
 
 
 class LoadProcess:
@@ -78,7 +82,7 @@ class LoadProcess:
 
     def __init__(self, nc, nats_url: str, subject: str) -> None:
         self.nc = nc
-        self.control = f"_bench.control.{os.getpid()}"
+        self.control = f"_bench.control.{os.getpid()}.{next(_LOAD_PROCESSES)}"
         self._argv = [
             sys.executable, "-m", "bench.load_process",
             "--nats-url", nats_url, "--subject", subject, "--control", self.control,

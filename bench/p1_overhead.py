@@ -2,7 +2,7 @@
 
 One process holds one engine. The baseline sends each request straight to `AsyncLLM.generate`
 with the worker's own SamplingParams; the worker side sends it over a real nats-server
-(loopback) to a `Worker` on that same engine, which builds logprob rows, encodes frames and
+(loopback) to a `NatsWorker` on that same engine, which builds logprob rows, encodes frames and
 publishes them, and the load generator decodes every frame. Runs alternate between the sides
 (order flipped each repeat); ratios are per repeat, then the median.
 By default the load generator shares the worker's process and event loop, so its cost is billed
@@ -30,11 +30,11 @@ from bench.common import table, write_json
 from bench.load import DirectSender, NatsSender, RunResult, alternate, prompts, runner
 from bench.load_process import LoadProcess
 from messages.subjects import Subjects
-from worker import vllm_fast_merge
 from worker.cli import build_parser, engine_args
 from worker.client import wait_for_worker
 from worker.config import NatsConfig, WorkerConfig
-from worker.embedded import NatsServer
+from worker.dev.embedded import NatsServer
+from worker.engine import fast_merge as vllm_fast_merge
 
 GOAL = {"concurrency": 32, "logprobs": 5, "tokens_per_s_ratio": 0.97}
 
@@ -61,13 +61,15 @@ def _parse(argv: list[str]):
         "CLI with the same engine args) instead of one on this process's engine",
     )
     bench.add_argument("--external-subject", default="llm.vllm.generate")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.dev = args.dev or args.model is None  # the tiny model, as before
+    return args
 
 
 async def main_async(argv: list[str]) -> None:
-    from worker.service import Worker
-    from worker.transport import connect
-    from worker.vllm_engine import VllmEngine
+    from worker.engine.vllm_adapter import VllmEngine
+    from worker.nats.connection import connect
+    from worker.nats.worker import NatsWorker
 
     args = _parse(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -84,7 +86,7 @@ async def main_async(argv: list[str]) -> None:
             nats=NatsConfig(servers=[url]), subjects=Subjects(*subject.split("."))
         )
         worker_nc = await connect(config.nats)
-        worker = Worker(engine, worker_nc, config)
+        worker = NatsWorker(engine, worker_nc, config)
         await worker.start()
     client = await nats.connect(url)
     if not await wait_for_worker(client, 600):
@@ -192,9 +194,9 @@ async def main_async(argv: list[str]) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from worker.tiny_model import cpu_env_defaults
+    from bench.common import offline
 
-    cpu_env_defaults()
+    offline()
     asyncio.run(main_async(sys.argv[1:]))
 
 

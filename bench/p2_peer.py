@@ -29,7 +29,7 @@ from bench.load import NatsSender, OpenAISender, alternate, prompts, runner
 from bench.vllm_server import VllmOpenAIServer
 from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
-from worker.embedded import NatsServer
+from worker.dev.embedded import NatsServer
 
 GOAL = {"tokens_per_s_ratio": 1.25, "ttft_p50_ratio": 0.8}
 SIDES = ("worker", "vllm serve")
@@ -46,7 +46,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     bench.add_argument("--name", default="p2_peer", help="JSON file name under bench/out")
     args, engine_argv = bench.parse_known_args(argv)
     if "--model" not in engine_argv:
-        from worker.tiny_model import ensure_tiny_model
+        from worker.dev.tiny_model import ensure_tiny_model
 
         engine_argv = [
             "--model",
@@ -66,11 +66,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 async def main_async(argv: list[str]) -> None:
     import aiohttp
 
-    from worker import vllm_fast_merge
     from worker.cli import build_parser, engine_args
-    from worker.service import Worker
-    from worker.transport import connect
-    from worker.vllm_engine import VllmEngine
+    from worker.engine import fast_merge as vllm_fast_merge
+    from worker.engine.vllm_adapter import VllmEngine
+    from worker.nats.connection import connect
+    from worker.nats.worker import NatsWorker
 
     args, engine_argv = _parse(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -85,7 +85,7 @@ async def main_async(argv: list[str]) -> None:
         subjects = Subjects("bench", "vllm", "generate")
         config = WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects)
         worker_nc = await connect(config.nats)
-        worker = Worker(engine, worker_nc, config)
+        worker = NatsWorker(engine, worker_nc, config)
         await worker.start()
         client = await nats.connect(server.url)
         via_nats = NatsSender(client, subjects.generate)
@@ -164,9 +164,9 @@ def _report(args, results: list[dict], limits, engine_argv: list[str]) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from worker.tiny_model import cpu_env_defaults
+    from bench.common import offline
 
-    cpu_env_defaults()
+    offline()
     # SIGTERM (a timeout, a CI cancel) unwinds like an exception, so vLLM's server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.time()

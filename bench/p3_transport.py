@@ -5,7 +5,7 @@ logprob row, as fast as the event loop lets it. It yields to the event loop ever
 `yield_every` steps (1: every step, so every step pays an event-loop cycle that the raw side,
 which publishes a request's frames back to back, does not; 0: never, so requests interleave only
 where the worker's own publish path waits). Both are measured; the second isolates the worker.
-Through the real `Worker` (sessions, rows, framing, msgpack, publish) to a real nats-server and
+Through the real `NatsWorker` (sessions, rows, framing, msgpack, publish) to a real nats-server and
 back to a reader in the same process, that gives the worker's own ceiling in frames/s. The
 baseline publishes the very frame bytes the worker sent for the same request, from the same
 process, with plain `nc.publish`, and reads them back with the same reader. Ratio = worker ÷ raw.
@@ -19,75 +19,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import nats
 
 from bench.common import median, table, write_json
 from bench.load import NatsSender, make_request, prompts, run
 from messages.codec import MSGPACK
-from messages.frames import TopLogprob
 from messages.request import GenerateRequest
 from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
-from worker.embedded import NatsServer
-from worker.engine_api import ChoiceDelta, EngineLimits, EngineStep
+from worker.dev.embedded import NatsServer
+from worker.dev.fakes import SyntheticFastEngine
 
 GOAL = 0.6
-
-
-class SyntheticFastEngine:
-    """A fake engine for transport benchmarks only: fixed tokens and rows, no model."""
-
-    def __init__(self, yield_every: int = 1) -> None:
-        self.yield_every = yield_every
-        self.limits = EngineLimits(
-            model="synthetic",
-            max_logprobs=20,
-            vocab_size=1024,
-            max_model_len=4096,
-            engine="synthetic",
-        )
-        self._row = {
-            k: [TopLogprob(r, 100 + r, f"tok{r}", -0.1 * r, b"tok") for r in range(1, k + 1)]
-            for k in (0, 1, 5, 20)
-        }
-
-    async def generate(
-        self, request: GenerateRequest, engine_request_id: str
-    ) -> AsyncIterator[EngineStep]:
-        k = request.output_options.logprobs
-        total = request.stop_conditions.max_tokens or 16
-        row = self._row.get(k or 0) or self._row[20][: k or 0]
-        every = self.yield_every
-        for i in range(total):
-            if every and i % every == 0:
-                await asyncio.sleep(0)  # a step boundary: other requests' steps interleave
-            last = i == total - 1
-            yield EngineStep(
-                None,
-                [
-                    ChoiceDelta(
-                        0,
-                        [101],
-                        None if k is None else [-0.1],
-                        None if k is None else [row],
-                        "length" if last else None,
-                    )
-                ],
-            )
-
-    async def abort(self, engine_request_id: str) -> None:
-        pass
-
-    def num_unfinished_requests(self) -> int:
-        return 0
-
-    async def check_health(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
 
 async def _record(nc, subject: str, request: GenerateRequest) -> list[bytes]:
@@ -113,14 +57,14 @@ def _label(yield_every: int) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    from worker.service import Worker
-    from worker.transport import connect
+    from worker.nats.connection import connect
+    from worker.nats.worker import NatsWorker
 
     server = NatsServer().start()
     subjects = Subjects("bench", "synthetic", "generate")
     worker_nc = await connect(NatsConfig(servers=[server.url]))
     engine = SyntheticFastEngine()
-    worker = Worker(
+    worker = NatsWorker(
         engine,
         worker_nc,
         WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects),

@@ -15,9 +15,9 @@ import random
 import time
 
 from bench.common import median, table, write_json
-from worker import logprobs
-from worker.tiny_model import ensure_tiny_model
-from worker.tokens import TokenTable
+from worker.dev.tiny_model import ensure_tiny_model
+from worker.engine import logprobs
+from worker.engine.tokens import TokenTable
 
 GOALS_US = {5: 2.0, 20: 6.0}
 

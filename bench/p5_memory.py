@@ -23,7 +23,7 @@ import psutil
 from bench.common import table, write_json
 from bench.load import NatsSender, prompts, run
 from messages.subjects import Subjects
-from worker.embedded import NatsServer
+from worker.dev.embedded import NatsServer
 
 GOAL_MB = 60.0
 MB = 1024 * 1024
@@ -43,9 +43,11 @@ async def _engine_alone(args: argparse.Namespace) -> None:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from worker.tiny_model import cpu_env_defaults, ensure_tiny_model, tiny_engine_args
+    from bench.common import offline
+    from worker.dev.tiny_model import ensure_tiny_model
+    from worker.engine.args import tiny_engine_args
 
-    cpu_env_defaults()
+    offline()
     llm = AsyncLLM.from_engine_args(tiny_engine_args(ensure_tiny_model()))
     token_prompts = prompts(256, 32, 1024)
 

@@ -1,9 +1,9 @@
 """P6 probe load: liveness probes the worker sends per second with N requests in flight.
 
-The worker probes its clients with empty NATS requests to reply subjects (worker/liveness.py).
+The worker probes its clients with empty NATS requests to reply subjects (worker/nats/liveness.py).
 Each probe of a live client arrives there as an empty message, so the load is counted where it
 lands: empty messages received by the clients, per second of a steady window. Requests run on a
-named fake engine (`worker.fake_engine.PacedFakeEngine`: one token every `--step` s), since the
+named fake engine (`worker.dev.fakes.PacedFakeEngine`: one token every `--step` s), since the
 point is the probing at a concurrency a CPU engine cannot hold, not generation.
 
     python -m bench.p6_probe_load [--in-flight 256] [--clients 1,4,16] [--window 10]
@@ -25,10 +25,10 @@ from messages.codec import MSGPACK
 from messages.request import GenerateRequest, OutputOptions, StopConditions
 from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
-from worker.embedded import NatsServer
-from worker.fake_engine import PacedFakeEngine
-from worker.service import Worker
-from worker.transport import connect
+from worker.dev.embedded import NatsServer
+from worker.dev.fakes import PacedFakeEngine
+from worker.nats.connection import connect
+from worker.nats.worker import NatsWorker
 
 
 async def _measure(
@@ -40,7 +40,7 @@ async def _measure(
         nats=NatsConfig(servers=[url]), subjects=subjects, liveness_interval_s=interval
     )
     worker_nc = await connect(config.nats)
-    worker = Worker(engine, worker_nc, config)
+    worker = NatsWorker(engine, worker_nc, config)
     await worker.start()
     connections = [await nats.connect(url) for _ in range(clients)]
     probes = 0

@@ -4,7 +4,8 @@ A worker ends a failed request with one error frame carrying one of these codes;
 library, the HTTP frontend and the JetStream intake all look the code up here instead of keeping
 lists of their own:
 - `retryable`: another worker (or a later JetStream attempt) may succeed; the request itself is
-  fine. JetStream NAKs a retryable failure while attempts are left and TERMs everything else.
+  fine. A work queue NAKs a retryable failure while attempts are left and TERMs everything else
+  (`disposition`).
 - `refusal`: the worker refused the request before running it (nothing was generated), so a
   client may resend it elsewhere at once without losing output.
 - `http_status` / `openai_type`: what the OpenAI-compatible frontend answers.
@@ -67,3 +68,16 @@ def is_retryable(code: str) -> bool:
 
 def is_refusal(code: str) -> bool:
     return kind(code).refusal
+
+
+Disposition = Literal["ack", "nak", "term"]
+
+
+def disposition(code: str | None, *, attempts_left: bool) -> Disposition:
+    """What a work queue (JetStream) does with a request that ended with `code` (None: it was
+    answered in full): redeliver a retryable failure while attempts are left, else settle."""
+    if code is None:
+        return "ack"
+    if kind(code).retryable and attempts_left:
+        return "nak"
+    return "term"

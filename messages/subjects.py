@@ -12,6 +12,12 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 CANCEL_TOKEN = "cancel"
 # The NATS micro service name workers register under: discovery asks `$SRV.<verb>.<name>`.
 SERVICE_NAME = "vllm-nats-worker"
+# JetStream mode: a queued request's reply subject travels in this header (a JetStream message's
+# own reply subject is its ack subject).
+REPLY_HEADER = "Reply-To"
+# The header that marks a worker's liveness probe on a reply subject (an empty NATS request whose
+# "no responders" answer means nobody listens): readers skip such messages; they are not frames.
+PROBE_HEADER = "Vllm-Nats-Probe"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,10 @@
-"""Session fixtures: one real nats-server, one tiny model, one real vLLM engine, one worker.
+"""Test layers and session fixtures.
+
+Layers, one directory and marker each (`pytest -m unit`, `-m integration`, `-m e2e`):
+- unit/: no vllm, no torch, no model, no nats-server; seconds. Run alone (`-m unit`), the layer
+  is guarded: importing vllm or torch fails, and the other layers are not even collected;
+- integration/: a real nats-server with the fake engines of worker.dev.fakes;
+- e2e/: the real vLLM engine on the tiny model (and the real nats-server).
 
 Engine start costs 25-60 s here, so the whole session shares one engine and one in-process
 worker on a real nats-server (JetStream on, its own temp dir, a free loopback port).
@@ -6,6 +12,8 @@ worker on a real nats-server (JetStream on, its own temp dir, a free loopback po
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,16 +23,46 @@ from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry
 
 from messages.subjects import Subjects
+from tests.helpers import TEST_MAX_PAYLOAD, TEST_SUBJECTS
 from worker.config import NatsConfig, WorkerConfig
-from worker.embedded import NatsServer
+from worker.dev.embedded import NatsServer
+from worker.dev.tiny_model import ensure_tiny_model
 from worker.metrics import WorkerMetrics
-from worker.tiny_model import cpu_env_defaults, ensure_tiny_model, tiny_engine_args
 
-cpu_env_defaults()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; models are built locally
 
-# Small on purpose: large prompt-logprob answers must be split to fit (the default is 1 MiB).
-TEST_MAX_PAYLOAD = 32 * 1024
-TEST_SUBJECTS = Subjects(namespace="test", component="vllm", endpoint="generate")
+LAYERS = ("unit", "integration", "e2e")
+_HEAVY = ("vllm", "torch")
+
+
+def _only_layer(config: pytest.Config) -> str | None:
+    markexpr = (config.getoption("markexpr") or "").strip()
+    return markexpr if markexpr in LAYERS else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for layer in LAYERS:
+        config.addinivalue_line("markers", f"{layer}: the {layer} test layer (tests/{layer}/)")
+    if _only_layer(config) == "unit":
+        for name in _HEAVY:
+            if name in sys.modules:
+                raise pytest.UsageError(f"the unit layer must not import {name}; it was imported")
+            sys.modules[name] = None  # type: ignore[assignment]  # importing it now fails
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    layer = _only_layer(config)
+    if layer and collection_path.is_dir() and collection_path.name in LAYERS:
+        return collection_path.name != layer
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        layer = item.path.parent.name
+        if layer not in LAYERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in one of tests/{LAYERS}")
+        item.add_marker(layer)
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +79,9 @@ def nats_server() -> Iterator[NatsServer]:
 
 @pytest.fixture(scope="session")
 async def engine(tiny_model: Path):  # -> VllmEngine
-    from worker import vllm_fast_merge
-    from worker.vllm_engine import VllmEngine
+    from worker.engine import fast_merge as vllm_fast_merge
+    from worker.engine.args import tiny_engine_args
+    from worker.engine.vllm_adapter import VllmEngine
 
     vllm_fast_merge.install()  # as worker.cli.serve does
     engine = await VllmEngine.start(tiny_engine_args(tiny_model))
@@ -56,13 +95,13 @@ def worker_metrics() -> WorkerMetrics:
 
 
 @pytest.fixture(scope="session")
-async def worker(engine, nats_server: NatsServer, worker_metrics: WorkerMetrics):  # -> Worker
-    from worker.service import Worker
-    from worker.transport import connect
+async def worker(engine, nats_server: NatsServer, worker_metrics: WorkerMetrics):  # -> NatsWorker
+    from worker.nats.connection import connect
+    from worker.nats.worker import NatsWorker
 
     config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=TEST_SUBJECTS)
     nc = await connect(config.nats)
-    service = Worker(engine, nc, config, worker_metrics)
+    service = NatsWorker(engine, nc, config, worker_metrics)
     await service.start()
     yield service
     await service.stop()
@@ -79,19 +118,19 @@ async def client(nats_server: NatsServer) -> AsyncIterator[NATS]:
 @pytest.fixture
 async def extra_worker(engine, nats_server):
     """Makes more workers on the session's engine (own connection, subjects and settings)."""
-    from worker.service import Worker
-    from worker.transport import connect
+    from worker.nats.connection import connect
+    from worker.nats.worker import NatsWorker
 
-    made: list[tuple[Worker, NATS]] = []
+    made: list[tuple[NatsWorker, NATS]] = []
 
-    async def make(subjects: Subjects, **settings) -> Worker:
+    async def make(subjects: Subjects, **settings) -> NatsWorker:
         config = WorkerConfig(
             nats=NatsConfig(servers=[settings.pop("url", nats_server.url)]),
             subjects=subjects,
             **settings,
         )
         nc = await connect(config.nats)
-        worker = Worker(engine, nc, config)
+        worker = NatsWorker(engine, nc, config)
         await worker.start()
         made.append((worker, nc))
         return worker

@@ -1,16 +1,32 @@
-"""Shared test helpers: raw request/response exchange and the alignment checks."""
+"""Shared test helpers: the raw frame reader (one stop rule), request/response exchange, the
+alignment checks, and running the worker as a subprocess."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
+from messages.codec import MSGPACK
 from messages.frames import TopLogprob
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
-from worker.client import micro_error
-from worker.tokens import TokenTable
+from messages.subjects import REPLY_HEADER, Subjects
+from worker.client import RequestEnd, frame_payloads
+from worker.engine.tokens import TokenTable
+
+ROOT = Path(__file__).resolve().parent.parent
+# Small on purpose: large prompt-logprob answers must be split to fit (the default is 1 MiB).
+TEST_MAX_PAYLOAD = 32 * 1024
+TEST_SUBJECTS = Subjects(namespace="test", component="vllm", endpoint="generate")
 
 
 def make_request(
@@ -35,6 +51,50 @@ def make_request(
     )
 
 
+async def raw_frames(
+    subscription: Subscription, *, json: bool = False, choices: int = 1, timeout: float = 60.0
+) -> AsyncIterator[bytes]:
+    """The encoded frames of one request as they arrive, until it ends by the one stop rule
+    (worker.client.reader.RequestEnd); probes skipped. No seq check: tests count gaps."""
+    decode = msgspec.json.decode if json else msgspec.msgpack.decode
+    end = RequestEnd(choices)
+    async for data in frame_payloads(subscription, timeout):
+        frame = decode(data)
+        yield data
+        if end.saw(frame["index"], frame["finish_reason"]):
+            return
+
+
+async def frame_maps(
+    nc: NATS,
+    subject: str,
+    payload: bytes,
+    *,
+    json: bool = False,
+    choices: int = 1,
+    timeout: float = 60.0,
+    inbox: str | None = None,
+    jetstream: bool = False,
+) -> AsyncIterator[dict[str, Any]]:
+    """Publishes one request (core, or to a JetStream work queue with the Reply-To header) and
+    yields its frames decoded as maps, so tests can spell the wire's field names out."""
+    inbox = inbox or nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    headers = {"Content-Type": "application/json"} if json else {}
+    decode = msgspec.json.decode if json else msgspec.msgpack.decode
+    try:
+        if jetstream:
+            headers[REPLY_HEADER] = inbox
+            await nc.jetstream().publish(subject, payload, headers=headers)
+        else:
+            await nc.publish(subject, payload, reply=inbox, headers=headers or None)
+        frames = raw_frames(subscription, json=json, choices=choices, timeout=timeout)
+        async for data in frames:
+            yield decode(data)
+    finally:
+        await subscription.unsubscribe()
+
+
 async def exchange(
     nc: NATS,
     subject: str,
@@ -48,26 +108,16 @@ async def exchange(
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
     headers = {"Content-Type": "application/json"} if json else None
-    decode = msgspec.json.decode if json else msgspec.msgpack.decode
-    raw: list[bytes] = []
-    finished: set[int] = set()
     try:
         await nc.publish(subject, payload, reply=inbox, headers=headers)
-        while len(finished) < choices:
-            msg = await subscription.next_msg(timeout=timeout)
-            if not msg.data:
-                if (error := micro_error(msg)) is not None:
-                    raise error
-                continue  # liveness probe
-            raw.append(msg.data)
-            frame = decode(msg.data)
-            if frame["finish_reason"] == "error":
-                break
-            if frame["finish_reason"] is not None:
-                finished.add(frame["index"])
+        return [
+            data
+            async for data in raw_frames(
+                subscription, json=json, choices=choices, timeout=timeout
+            )
+        ]
     finally:
         await subscription.unsubscribe()
-    return raw
 
 
 def check_row(
@@ -87,3 +137,65 @@ def check_row(
         assert entry.bytes == table.byte_values[entry.token_id]
         assert entry.token == table.texts[entry.token_id]
     assert all(a.logprob >= b.logprob for a, b in zip(row[:k], row[1:k], strict=False))
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["VLLM_LOGGING_LEVEL"] = "WARNING"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def read_until(stream, pattern: str, lines: list[str], timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        line = await asyncio.wait_for(stream.readline(), left)
+        if not line:
+            break
+        lines.append(line.decode(errors="replace"))
+        if match := re.search(pattern, lines[-1]):
+            return match
+    raise AssertionError(f"no {pattern!r} in output:\n{''.join(lines[-60:])}")
+
+
+async def collect(stream, lines: list[str]) -> None:
+    while line := await stream.readline():
+        lines.append(line.decode(errors="replace"))
+
+
+@dataclass
+class Tally:
+    """What a reader saw of one request's stream (see `tally`)."""
+
+    request_id: str
+    frames: int = 0
+    tokens: int = 0
+    gaps: int = 0
+    """Frames missing by `seq` (frames in transit when the broker died; see README)."""
+    final: dict | None = None
+    first: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def tally(nc: NATS, subject: str, request: GenerateRequest, stream: Tally) -> None:
+    """Publishes a core request and reads its frames to the end, counting frames, tokens and seq
+    gaps and checking the per-position alignment of every frame."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(subject, MSGPACK.encode(request), reply=inbox)
+    expected = 0
+    k = request.output_options.logprobs
+    async for data in raw_frames(sub, timeout=60):
+        frame = msgspec.msgpack.decode(data)
+        if frame["seq"] != expected:
+            stream.gaps += frame["seq"] - expected
+        expected = frame["seq"] + 1
+        stream.frames += 1
+        stream.tokens += len(frame["token_ids"])
+        if k is not None and frame["token_ids"]:
+            assert len(frame["log_probs"]) == len(frame["top_logprobs"]) == len(frame["token_ids"])
+            assert all(len(row) >= k for row in frame["top_logprobs"])
+        stream.first.set()
+        if frame["finish_reason"] is not None:
+            stream.final = frame
+    await sub.unsubscribe()

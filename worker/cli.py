@@ -1,13 +1,15 @@
 """`vllm-nats-worker` / `python -m worker`: vLLM's own engine arguments plus the NATS worker's.
 
 Every vLLM engine argument is accepted exactly as `vllm serve` accepts it (the parser is vLLM's
-FlexibleArgumentParser filled by `AsyncEngineArgs.add_cli_args`), so `--model`,
-`--tensor-parallel-size`, `--max-logprobs`, `--max-model-len` … mean what they mean there.
+FlexibleArgumentParser filled by `AsyncEngineArgs.add_cli_args`, worker/engine/args.py), so
+`--model`, `--tensor-parallel-size`, `--max-logprobs`, `--max-model-len` … mean what they mean
+there. The worker's own options are declared once in `OPTIONS`, each bound to the config field
+(worker/config.py) that holds its default; environment variables give defaults through
+`config.environment()`.
 
-Defaults that make one command work on a fresh machine:
-- no `--nats-url` (nor NATS_URL): an embedded nats-server is started on loopback;
-- no `--model`: the tiny demo model is built (or reused) and served in fp32 with
-  max_model_len 512 and eager mode, unless those are given too.
+`--model` and a NATS URL (`--nats-url` or NATS_URL) are required: a production worker never
+starts on a model or a broker nobody chose. `--dev` (and the demo) asks for the development
+defaults instead, loudly: an embedded nats-server on loopback and the tiny random-weight model.
 """
 
 from __future__ import annotations
@@ -15,20 +17,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import REGISTRY, start_http_server
 
 from messages.subjects import Subjects
-from worker.config import NatsConfig, WorkerConfig
-from worker.embedded import NatsServer
+from worker.config import (
+    ENVIRONMENT,
+    JetStreamSettings,
+    NatsConfig,
+    WorkerConfig,
+    default,
+    environment,
+)
+from worker.engine import args as engine_cli
 from worker.metrics import WorkerMetrics
-from worker.service import Worker
-from worker.transport import connect
 
 log = logging.getLogger("worker")
 
@@ -39,220 +46,257 @@ DESCRIPTION = (
 )
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
+@dataclass(frozen=True)
+class Option:
+    """One worker option: its flag, the config field it sets (and takes its default from)."""
+
+    flag: str
+    config: type | None
+    field: str
+    help: str
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    default: Any = None
+    """Only for options without a config field."""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from vllm.engine.arg_utils import AsyncEngineArgs
+def _servers(value: str) -> list[str]:
+    return [url.strip() for url in value.split(",") if url.strip()]
 
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # older vLLM
-        from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
 
-    parser = FlexibleArgumentParser(prog="vllm-nats-worker", description=DESCRIPTION)
-    nats = parser.add_argument_group(
+OPTIONS: list[Option] = [
+    Option(
+        "--nats-url",
+        NatsConfig,
+        "servers",
+        "NATS server URL, or a comma-separated list of a cluster's nodes (required unless --dev)",
+    ),
+    Option("--nats-user", NatsConfig, "user", "user name"),
+    Option("--nats-password", NatsConfig, "password", "password"),
+    Option("--nats-token", NatsConfig, "token", "token"),
+    Option("--nats-creds", NatsConfig, "creds_file", "credentials (JWT + nkey) file"),
+    Option("--nats-nkey-seed", NatsConfig, "nkeys_seed", "nkey seed file"),
+    Option("--tls-ca", NatsConfig, "tls_ca", "CA file"),
+    Option("--tls-cert", NatsConfig, "tls_cert", "client certificate"),
+    Option("--tls-key", NatsConfig, "tls_key", "client key"),
+    Option("--namespace", Subjects, "namespace", "first subject token"),
+    Option("--component", Subjects, "component", "second subject token"),
+    Option("--endpoint", Subjects, "endpoint", "third subject token"),
+    Option(
+        "--queue-group",
+        WorkerConfig,
+        "queue_group",
+        "workers of one queue group share the subject",
+    ),
+    Option(
+        "--instance-id",
+        None,
+        "instance_id",
+        "this worker's id; it also serves <subject>.<instance-id> (default: random)",
+    ),
+    Option(
+        "--max-concurrency",
+        WorkerConfig,
+        "max_concurrency",
+        "requests served at once; more get an immediate retryable 'overloaded' error frame "
+        "(default: unlimited; in jetstream mode the pull's capacity, 64)",
+        int,
+    ),
+    Option(
+        "--drain-timeout",
+        WorkerConfig,
+        "drain_timeout_s",
+        "on SIGTERM/SIGINT, seconds in-flight requests may still run before they get a "
+        "retryable 'worker_shutdown' error frame",
+        float,
+    ),
+    Option("--max-n", WorkerConfig, "max_n", "largest n (choices) accepted", int),
+    Option(
+        "--max-tokens-limit",
+        WorkerConfig,
+        "max_tokens_limit",
+        "largest max_tokens a request may ask (default: the model's context length)",
+        int,
+    ),
+    Option(
+        "--max-request-bytes",
+        WorkerConfig,
+        "max_request_bytes",
+        "larger request payloads are refused",
+        int,
+    ),
+    Option(
+        "--liveness-interval",
+        WorkerConfig,
+        "liveness_interval_s",
+        "seconds between probes of in-flight requests' clients (one probe per client and "
+        "round, see --client-gone-grace)",
+        float,
+    ),
+    Option(
+        "--client-gone-grace",
+        WorkerConfig,
+        "client_gone_grace_s",
+        "seconds a client's reply subject must stay without a subscriber before its requests "
+        "are aborted; covers a client's reconnect after a broker outage",
+        float,
+    ),
+    Option(
+        "--outage-wait",
+        WorkerConfig,
+        "outage_wait_s",
+        "seconds a request's frames may wait for the broker and its client to come back before "
+        "the request is aborted",
+        float,
+    ),
+    Option(
+        "--health-interval",
+        WorkerConfig,
+        "health_interval_s",
+        "seconds between engine health checks; a dead engine exits non-zero",
+        float,
+    ),
+    Option(
+        "--metrics-port",
+        None,
+        "metrics_port",
+        "serve Prometheus /metrics on this port, 0 = any free port (default: off)",
+        int,
+    ),
+    Option("--metrics-host", None, "metrics_host", "metrics bind address", default="0.0.0.0"),
+    Option(
+        "--mode",
+        None,
+        "mode",
+        "core: a queue group on the core subjects (at most once); jetstream: a durable "
+        "work-queue stream on <namespace>.<component>.queue.<endpoint>, pulled by free capacity",
+        choices=("core", "jetstream"),
+        default="core",
+    ),
+    Option(
+        "--js-stream",
+        JetStreamSettings,
+        "stream",
+        "stream name (default: NS_COMPONENT_ENDPOINT)",
+    ),
+    Option("--js-durable", JetStreamSettings, "durable", "shared durable consumer name"),
+    Option(
+        "--js-ack-wait",
+        JetStreamSettings,
+        "ack_wait_s",
+        "seconds without an ack (or in-progress ack) before redelivery",
+        float,
+    ),
+    Option(
+        "--js-max-deliver",
+        JetStreamSettings,
+        "max_deliver",
+        "delivery attempts before a request is terminated with an error frame",
+        int,
+    ),
+    Option("--js-max-ack-pending", JetStreamSettings, "max_ack_pending", "", int),
+    Option(
+        "--js-max-age",
+        JetStreamSettings,
+        "max_age_s",
+        "seconds a queued request may wait before the stream drops it",
+        float,
+    ),
+    Option(
+        "--worker-log-level",
+        None,
+        "worker_log_level",
+        "log level of the worker's own logs (vLLM's: --log-level / VLLM_LOGGING_LEVEL)",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+    ),
+]
+
+
+def build_parser(prog: str = "vllm-nats-worker") -> argparse.ArgumentParser:
+    parser = engine_cli.parser(prog, DESCRIPTION)
+    group = parser.add_argument_group(
         "NATS worker", "Transport, subjects and lifecycle (NATS settings also from env vars)."
     )
-    nats.add_argument(
-        "--nats-url",
-        default=os.environ.get("NATS_URL"),
-        help="NATS server URL, or a comma-separated list of a cluster's nodes [env NATS_URL]. "
-        "Unset: start an embedded nats-server on loopback and print its URL.",
+    env_of = {dest: name for name, dest in ENVIRONMENT.items()}
+    for option in OPTIONS:
+        value = option.default if option.config is None else default(option.config, option.field)
+        shown = ",".join(value) if isinstance(value, list) else value
+        help_text = option.help
+        if shown is not None and option.flag != "--nats-url":
+            help_text += f" (default: {shown})"
+        if option.dest in env_of:
+            help_text += f" [env {env_of[option.dest]}]"
+        # The NATS URL has no default: a production worker needs one (or --dev).
+        group.add_argument(
+            option.flag,
+            type=option.type,
+            choices=option.choices,
+            default=None if option.flag == "--nats-url" else value,
+            help=help_text,
+        )
+    group.add_argument(
+        "--dev",
+        action="store_true",
+        help="development mode: an embedded nats-server when no NATS URL is given and the tiny "
+        "random-weight demo model when no --model is given (never for production)",
     )
-    nats.add_argument("--namespace", default="llm", help="first subject token (default: llm)")
-    nats.add_argument("--component", default="vllm", help="second subject token (default: vllm)")
-    nats.add_argument(
-        "--endpoint", default="generate", help="third subject token (default: generate)"
-    )
-    nats.add_argument(
-        "--queue-group",
-        default="vllm-workers",
-        help="workers of one queue group share the subject (default: vllm-workers)",
-    )
-    nats.add_argument(
-        "--instance-id",
-        default=None,
-        help="this worker's id; it also serves <subject>.<instance-id> (default: random)",
-    )
-    nats.add_argument("--nats-user", default=os.environ.get("NATS_USER"), help="[env NATS_USER]")
-    nats.add_argument(
-        "--nats-password", default=os.environ.get("NATS_PASSWORD"), help="[env NATS_PASSWORD]"
-    )
-    nats.add_argument("--nats-token", default=os.environ.get("NATS_TOKEN"), help="[env NATS_TOKEN]")
-    nats.add_argument(
-        "--nats-creds",
-        default=os.environ.get("NATS_CREDS"),
-        help="credentials (JWT + nkey) file [env NATS_CREDS]",
-    )
-    nats.add_argument(
-        "--nats-nkey-seed",
-        default=os.environ.get("NATS_NKEY_SEED"),
-        help="nkey seed file [env NATS_NKEY_SEED]",
-    )
-    nats.add_argument(
-        "--tls-ca", default=os.environ.get("NATS_TLS_CA"), help="CA file [env NATS_TLS_CA]"
-    )
-    nats.add_argument(
-        "--tls-cert",
-        default=os.environ.get("NATS_TLS_CERT"),
-        help="client cert [env NATS_TLS_CERT]",
-    )
-    nats.add_argument(
-        "--tls-key", default=os.environ.get("NATS_TLS_KEY"), help="client key [env NATS_TLS_KEY]"
-    )
-    nats.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=_env_int("WORKER_MAX_CONCURRENCY"),
-        help="requests served at once; more get an immediate retryable 'overloaded' error frame "
-        "(default: unlimited) [env WORKER_MAX_CONCURRENCY]",
-    )
-    nats.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT, seconds in-flight requests may still run before they get a "
-        "retryable 'worker_shutdown' error frame (default: 30)",
-    )
-    nats.add_argument(
-        "--max-n", type=int, default=16, help="largest n (choices) accepted (default: 16)"
-    )
-    nats.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=None,
-        help="largest max_tokens a request may ask (default: the model's context length)",
-    )
-    nats.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=1024 * 1024,
-        help="larger request payloads are refused (default: 1 MiB)",
-    )
-    nats.add_argument(
-        "--liveness-interval",
-        type=float,
-        default=2.0,
-        help="seconds between probes of in-flight requests' clients (one probe per client and "
-        "round, see --client-gone-grace) (default: 2)",
-    )
-    nats.add_argument(
-        "--client-gone-grace",
-        type=float,
-        default=WorkerConfig.client_gone_grace_s,
-        help="seconds a client's reply subject must stay without a subscriber before its "
-        "requests are aborted; covers a client's reconnect after a broker outage "
-        f"(default: {WorkerConfig.client_gone_grace_s:g})",
-    )
-    nats.add_argument(
-        "--outage-wait",
-        type=float,
-        default=WorkerConfig.outage_wait_s,
-        help="seconds a request's frames may wait for the broker and its client to come back "
-        f"before the request is aborted (default: {WorkerConfig.outage_wait_s:g})",
-    )
-    nats.add_argument(
-        "--health-interval",
-        type=float,
-        default=5.0,
-        help="seconds between engine health checks; a dead engine exits non-zero (default: 5)",
-    )
-    nats.add_argument(
-        "--metrics-port",
-        type=int,
-        default=_env_int("WORKER_METRICS_PORT"),
-        help="serve Prometheus /metrics on this port, 0 = any free port (default: off)",
-    )
-    nats.add_argument("--metrics-host", default="0.0.0.0", help="metrics bind address")
-    nats.add_argument(
-        "--mode",
-        choices=["core", "jetstream"],
-        default="core",
-        help="core: a queue group on the core subjects (at most once); jetstream: a durable "
-        "work-queue stream on <namespace>.<component>.queue.<endpoint>, pulled by free capacity",
-    )
-    nats.add_argument(
-        "--js-stream", default=None, help="stream name (default: NS_COMPONENT_ENDPOINT)"
-    )
-    nats.add_argument("--js-durable", default="vllm-workers", help="shared durable consumer name")
-    nats.add_argument(
-        "--js-ack-wait",
-        type=float,
-        default=30.0,
-        help="seconds without an ack (or in-progress ack) before redelivery (default: 30)",
-    )
-    nats.add_argument(
-        "--js-max-deliver",
-        type=int,
-        default=3,
-        help="delivery attempts before a request is terminated with an error frame (default: 3)",
-    )
-    nats.add_argument("--js-max-ack-pending", type=int, default=1024, help="(default: 1024)")
-    nats.add_argument(
-        "--js-max-age",
-        type=float,
-        default=3600.0,
-        help="seconds a queued request may wait before the stream drops it (default: 3600)",
-    )
-    nats.add_argument(
-        "--worker-log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log level of the worker's own logs (vLLM's: --log-level / VLLM_LOGGING_LEVEL)",
-    )
-    AsyncEngineArgs.add_cli_args(parser)
-    # Our default model is the tiny demo model (see module doc), not vLLM's hub default.
-    parser.set_defaults(model=None)
+    engine_cli.add_engine_args(parser)
+    parser.set_defaults(**environment())
     return parser
 
 
-def worker_config(args: argparse.Namespace, nats_url: str) -> WorkerConfig:
+def _fields(args: argparse.Namespace, config: type) -> dict[str, Any]:
+    return {
+        option.field: getattr(args, option.dest) for option in OPTIONS if option.config is config
+    }
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    nats = _fields(args, NatsConfig)
+    nats["servers"] = _servers(args.nats_url)
+    settings = _fields(args, WorkerConfig)
+    if args.mode == "jetstream" and settings["max_concurrency"] is None:
+        settings["max_concurrency"] = default(JetStreamSettings, "capacity")
     config = WorkerConfig(
-        nats=NatsConfig(
-            servers=[url.strip() for url in nats_url.split(",") if url.strip()],
-            user=args.nats_user,
-            password=args.nats_password,
-            token=args.nats_token,
-            creds_file=args.nats_creds,
-            nkeys_seed=args.nats_nkey_seed,
-            tls_ca=args.tls_ca,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-        ),
-        subjects=Subjects(args.namespace, args.component, args.endpoint),
-        queue_group=args.queue_group,
-        max_n=args.max_n,
-        max_tokens_limit=args.max_tokens_limit,
-        max_request_bytes=args.max_request_bytes,
-        liveness_interval_s=args.liveness_interval,
-        client_gone_grace_s=args.client_gone_grace,
-        outage_wait_s=args.outage_wait,
-        max_concurrency=args.max_concurrency or (64 if args.mode == "jetstream" else None),
-        drain_timeout_s=args.drain_timeout,
-        health_interval_s=args.health_interval,
+        nats=NatsConfig(**nats),
+        subjects=Subjects(**_fields(args, Subjects)),
+        **settings,
     )
     if args.instance_id:
         config.instance_id = args.instance_id
     return config
 
 
-def engine_args(args: argparse.Namespace):  # -> AsyncEngineArgs
-    from vllm.engine.arg_utils import AsyncEngineArgs
+def jetstream_settings(args: argparse.Namespace, config: WorkerConfig) -> JetStreamSettings:
+    return JetStreamSettings(
+        **_fields(args, JetStreamSettings), capacity=config.max_concurrency or 0
+    )
 
+
+def missing_for_production(args: argparse.Namespace) -> list[str]:
+    """What a non-dev worker lacks: it must be told its model and its broker."""
+    missing = []
     if args.model is None:
-        from worker.tiny_model import ensure_tiny_model
+        missing.append("--model")
+    if not args.nats_url:
+        missing.append("--nats-url (or NATS_URL)")
+    return missing
 
-        args.model = str(ensure_tiny_model())
-        log.info("no --model: serving the tiny demo model %s", args.model)
-        if args.dtype == "auto":
-            args.dtype = "float32"
-        if args.max_model_len is None:
-            args.max_model_len = 512
-        args.enforce_eager = True
-    return AsyncEngineArgs.from_cli_args(args)
+
+def engine_args(args: argparse.Namespace) -> Any:
+    """vLLM's AsyncEngineArgs; in --dev mode without --model, the tiny demo model's."""
+    dev_model = None
+    if args.dev and args.model is None:
+        from worker.dev.tiny_model import ensure_tiny_model
+
+        dev_model = ensure_tiny_model()
+        log.warning("--dev and no --model: serving the tiny demo model %s (random)", dev_model)
+    return engine_cli.engine_args(args, dev_model=dev_model)
 
 
 @dataclass(frozen=True)
@@ -271,25 +315,33 @@ async def serve(
     on_ready: Callable[[Ready], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
 ) -> int:
-    """Runs the worker until SIGTERM/SIGINT (exit 0 after draining) or a dead engine (exit 1)."""
-    from vllm.platforms import current_platform
+    """Runs the worker until SIGTERM/SIGINT (exit 0 after draining), a dead engine or a dead
+    JetStream intake (exit 1); exit 2 for a configuration it refuses."""
+    from worker.dev.embedded import NatsServer
+    from worker.engine import fast_merge
+    from worker.engine.vllm_adapter import VllmEngine
 
-    from worker import vllm_fast_merge
-    from worker.vllm_engine import VllmEngine
-
+    if not args.dev and (missing := missing_for_production(args)):
+        print(
+            f"vllm-nats-worker: {' and '.join(missing)} required (or --dev for an embedded "
+            "nats-server and the tiny demo model)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     # Under load vLLM merges each request's pending DELTA outputs; the worker makes that cheap.
-    vllm_fast_merge.install()
-    if current_platform.is_cpu():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; see README
+    fast_merge.install()
     stop = stop or asyncio.Event()
     embedded = None
-    nats_url = args.nats_url
-    if not nats_url:
+    if not args.nats_url:  # --dev
         embedded = NatsServer().start()
-        nats_url = embedded.url
-        print(f"embedded nats-server on {nats_url} (connect with NATS_URL={nats_url})", flush=True)
+        args.nats_url = embedded.url
+        print(
+            f"--dev: embedded nats-server on {embedded.url} (connect with NATS_URL={embedded.url})",
+            flush=True,
+        )
     try:
-        config = worker_config(args, nats_url)
+        config = worker_config(args)
         engine = await VllmEngine.start(engine_args(args))
         try:
             return await _run(args, config, engine, on_ready, stop)
@@ -303,10 +355,14 @@ async def serve(
 async def _run(
     args: argparse.Namespace,
     config: WorkerConfig,
-    engine,  # VllmEngine
+    engine: Any,  # VllmEngine
     on_ready: Callable[[Ready], Awaitable[None]] | None,
     stop: asyncio.Event,
 ) -> int:
+    from worker.nats.connection import connect
+    from worker.nats.intake.jetstream import JetStreamConfigError, JetStreamIntake
+    from worker.nats.worker import NatsWorker
+
     metrics = WorkerMetrics(REGISTRY)
     metrics_port = None
     if args.metrics_port is not None:
@@ -314,21 +370,12 @@ async def _run(
         metrics_port = server.server_port
         log.info("metrics on http://%s:%d/metrics", args.metrics_host, metrics_port)
     nc = await connect(config.nats)
-    worker = Worker(engine, nc, config, metrics)
+    worker = NatsWorker(engine, nc, config, metrics)
     await worker.start(core_endpoints=args.mode == "core")
     intake = None
     if args.mode == "jetstream":
-        from worker.jetstream import JetStreamConfigError, JetStreamIntake, JetStreamSettings
-
-        settings = JetStreamSettings(
-            stream=args.js_stream,
-            durable=args.js_durable,
-            ack_wait_s=args.js_ack_wait,
-            max_deliver=args.js_max_deliver,
-            max_ack_pending=args.js_max_ack_pending,
-            max_age_s=args.js_max_age,
-        )
-        intake = JetStreamIntake(worker, nc, settings, capacity=config.max_concurrency or 64)
+        settings = jetstream_settings(args, config)
+        intake = JetStreamIntake(worker, nc, settings, settings.capacity)
         try:
             await intake.start()
         except JetStreamConfigError as error:
@@ -375,6 +422,7 @@ async def _run(
         health.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        await worker.stop()
         await nc.drain()
 
 

@@ -1,33 +1,83 @@
-"""Worker configuration: one typed, keyword-only dataclass; NATS settings default from env."""
+"""Worker configuration: typed, keyword-only dataclasses, the one source of every default.
+
+The CLI (worker/cli.py) takes its defaults from these classes and from `environment()`, the one
+place the process environment is read; library code never reads or writes it.
+"""
 
 from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
 from messages.subjects import Subjects
 
+# Environment variable → the CLI option (argparse dest) it gives a default to.
+ENVIRONMENT: dict[str, str] = {
+    "NATS_URL": "nats_url",
+    "NATS_USER": "nats_user",
+    "NATS_PASSWORD": "nats_password",
+    "NATS_TOKEN": "nats_token",
+    "NATS_CREDS": "nats_creds",
+    "NATS_NKEY_SEED": "nats_nkey_seed",
+    "NATS_TLS_CA": "tls_ca",
+    "NATS_TLS_CERT": "tls_cert",
+    "NATS_TLS_KEY": "tls_key",
+    "WORKER_MAX_CONCURRENCY": "max_concurrency",
+    "WORKER_METRICS_PORT": "metrics_port",
+}
+# Read, not mapped to an option: vLLM's own CPU KV-cache size (GiB); when it is unset on a CPU,
+# the worker sizes the cache by engine argument instead (worker/engine/args.py).
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name, default)
+
+def environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The worker's settings found in the environment, by CLI option dest."""
+    environ = os.environ if environ is None else environ
+    return {dest: environ[name] for name, dest in ENVIRONMENT.items() if environ.get(name)}
+
+
+def cpu_kv_cache_set(environ: Mapping[str, str] | None = None) -> bool:
+    return bool((os.environ if environ is None else environ).get(CPU_KV_CACHE_ENV))
+
+
+def dev_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the dev tools keep the tiny model: $VLLM_NATS_WORKER_CACHE, else
+    $XDG_CACHE_HOME/vllm-nats-worker, else ~/.cache/vllm-nats-worker."""
+    environ = os.environ if environ is None else environ
+    if environ.get("VLLM_NATS_WORKER_CACHE"):
+        return Path(environ["VLLM_NATS_WORKER_CACHE"])
+    cache = environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "vllm-nats-worker"
+
+
+def default(cls: type, name: str) -> Any:
+    """A config dataclass field's default (what the CLI shows and uses)."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+    raise KeyError(f"{cls.__name__} has no default for {name}")
 
 
 @dataclass(kw_only=True)
 class NatsConfig:
-    servers: list[str] = field(
-        default_factory=lambda: (_env("NATS_URL") or "nats://127.0.0.1:4222").split(",")
-    )
+    servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
     """Server list (a cluster's nodes); nats-py fails over between them."""
     name: str = "vllm-nats-worker"
-    user: str | None = field(default_factory=lambda: _env("NATS_USER"))
-    password: str | None = field(default_factory=lambda: _env("NATS_PASSWORD"))
-    token: str | None = field(default_factory=lambda: _env("NATS_TOKEN"))
-    creds_file: str | None = field(default_factory=lambda: _env("NATS_CREDS"))
-    nkeys_seed: str | None = field(default_factory=lambda: _env("NATS_NKEY_SEED"))
-    tls_ca: str | None = field(default_factory=lambda: _env("NATS_TLS_CA"))
-    tls_cert: str | None = field(default_factory=lambda: _env("NATS_TLS_CERT"))
-    tls_key: str | None = field(default_factory=lambda: _env("NATS_TLS_KEY"))
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    nkeys_seed: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     max_reconnect_attempts: int = -1
     """-1: keep reconnecting forever (a worker outlives broker restarts)."""
     reconnect_wait_s: float = 0.5
@@ -50,7 +100,7 @@ class WorkerConfig:
     a retryable `worker_shutdown` error frame."""
     liveness_interval_s: float = 2.0
     """How often in-flight requests' clients are probed (an empty NATS request to a reply
-    subject, one per client and round; see worker/liveness.py). A "no responders" answer is a
+    subject, one per client and round; see worker/nats/liveness.py). A "no responders" answer is a
     miss; misses over client_gone_grace_s declare the client gone and abort its requests."""
     liveness_timeout_s: float = 0.5
     """How long a probe waits for "no responders" before it counts the subscriber as there."""
@@ -66,3 +116,22 @@ class WorkerConfig:
     """Operator cap on stop_conditions.max_tokens (None: the model's context length)."""
     health_interval_s: float = 5.0
     """How often the engine's health is checked; a dead engine ends the worker non-zero."""
+
+
+@dataclass(kw_only=True)
+class JetStreamSettings:
+    """`--mode jetstream` (worker/nats/intake/jetstream.py)."""
+
+    stream: str | None = None
+    """Stream name; default `<NAMESPACE>_<COMPONENT>_<ENDPOINT>`."""
+    durable: str = "vllm-workers"
+    ack_wait_s: float = 30.0
+    """Seconds without an ack (or in-progress ack) before redelivery."""
+    max_deliver: int = 3
+    """Delivery attempts before a request is terminated with an error frame."""
+    max_ack_pending: int = 1024
+    max_age_s: float = 3600.0
+    """Seconds a queued request may wait before the stream drops it."""
+    fetch_timeout_s: float = 1.0
+    capacity: int = 64
+    """Requests pulled at once (the worker's max_concurrency when set)."""

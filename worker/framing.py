@@ -15,17 +15,22 @@ from msgspec import UNSET
 
 from messages.codec import Codec
 from messages.frames import ResponseFrame
+from worker.errors import WorkerError
 
 Publish = Callable[[bytes], Awaitable[None]]
 
 
-class Undeliverable(RuntimeError):
+class Undeliverable(WorkerError, RuntimeError):
     """A frame cannot reach its client (gone, or the broker unreachable for too long): nothing
     more, not even an error frame, can be sent for this request."""
 
+    code = "client_gone"
 
-class FrameTooLarge(RuntimeError):
+
+class FrameTooLarge(WorkerError, RuntimeError):
     """A single position does not fit in max_payload (the server's limit is absurdly small)."""
+
+    code = "engine_error"
 
 
 def split_frame(frame: ResponseFrame) -> tuple[ResponseFrame, ResponseFrame]:
@@ -57,12 +62,12 @@ def split_frame(frame: ResponseFrame) -> tuple[ResponseFrame, ResponseFrame]:
     if count < 2:
         raise FrameTooLarge("one generated position exceeds max_payload")
     half = count // 2
-    lps, top = frame.log_probs, frame.top_logprobs
+    lps, generated_top = frame.log_probs, frame.top_logprobs
     head = replace(
         frame,
         token_ids=frame.token_ids[:half],
         log_probs=lps[:half] if lps is not UNSET else UNSET,
-        top_logprobs=top[:half] if top is not UNSET else UNSET,
+        top_logprobs=generated_top[:half] if generated_top is not UNSET else UNSET,
         finish_reason=None,
         completion_usage=UNSET,
         error=UNSET,
@@ -71,7 +76,7 @@ def split_frame(frame: ResponseFrame) -> tuple[ResponseFrame, ResponseFrame]:
         frame,
         token_ids=frame.token_ids[half:],
         log_probs=lps[half:] if lps is not UNSET else UNSET,
-        top_logprobs=top[half:] if top is not UNSET else UNSET,
+        top_logprobs=generated_top[half:] if generated_top is not UNSET else UNSET,
     )
     return head, tail
 

@@ -1,10 +1,10 @@
-"""Composition root: the only module that knows both NATS and the engine.
+"""The service core: admission, the in-flight registry, cancel, drain and engine health.
 
-message → codec by Content-Type → decode (errors become an error frame) → admission
-(max_concurrency) → one task per request running a RequestSession → frames to the message's
-reply subject, through worker/liveness.py (which holds frames through a broker outage and finds
-clients that are gone). The generate subjects are NATS micro endpoints (see
-worker/discovery.py).
+It knows neither NATS nor vLLM: an intake (worker/nats/intake/) hands it a `Delivery` whose
+`reply` publishes frames back, and it serves the request on the `Engine` contract. The request
+path: decode (every unreadable payload is an `invalid_request` frame) → engine-dependent rules
+(worker/validation.py) → admission (drain, `max_concurrency`) → one task per request running a
+RequestSession (worker/session.py) → frames through `delivery.reply`.
 """
 
 from __future__ import annotations
@@ -15,24 +15,18 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.micro.request import Request
-from nats.micro.service import Service
 
 from messages.codec import Codec, codec_for
 from messages.errors import ErrorCode
-from messages.subjects import SERVICE_NAME
-from worker import discovery, transport
+from messages.request import GenerateRequest
 from worker.config import WorkerConfig
-from worker.engine_api import Engine, EngineDead, InvalidRequest, describe
+from worker.engine.contract import Engine, EngineDead, InvalidRequest
 from worker.framing import FrameWriter
-from worker.liveness import Listener, Liveness
 from worker.metrics import WorkerMetrics
 from worker.session import Outcome, RequestSession, send_error
 from worker.validation import admit
@@ -40,11 +34,68 @@ from worker.validation import admit
 log = logging.getLogger(__name__)
 
 
+class Reply(Protocol):
+    """Where one request's frames go (worker/nats/liveness.py implements it over NATS)."""
+
+    subject: str
+    """The reply subject: what binds a cancel to the publisher that sent the request."""
+
+    async def publish(self, data: bytes) -> None:
+        """Publishes one frame; may wait out a broker outage; raises Undeliverable."""
+        ...
+
+    def watch(self, on_gone: Callable[[], None]) -> None:
+        """Calls `on_gone` once if the client is found gone while the request runs."""
+        ...
+
+    def release(self) -> None:
+        """The request ended: stop watching."""
+        ...
+
+
+@dataclass
+class Delivery:
+    """One request as an intake delivered it."""
+
+    data: bytes
+    headers: Mapping[str, str] | None
+    reply: Reply
+    subject: str
+    """Where it came in (per-subject stats)."""
+    arrived: int
+    """time.monotonic_ns() when the message was taken from NATS."""
+    attempt: int | None = None
+    """The intake's delivery attempt, carried on every frame (JetStream); None for core NATS."""
+    redelivers: bool = False
+    """A retryable failure or refusal is left to the intake, which delivers the request again
+    (JetStream with attempts left): it ends without an error frame."""
+
+
+@dataclass
+class SubjectStats:
+    """What discovery reports per subject (requests taken, errors, time spent streaming)."""
+
+    num_requests: int = 0
+    num_errors: int = 0
+    processing_time_ns: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class InFlight:
+    """A request being served: its session, task, and where its frames go."""
+
+    session: RequestSession
+    task: asyncio.Task[Outcome]
+    reply: Reply
+    deadline: asyncio.TimerHandle | None = None
+
+
 class _RequestId(msgspec.Struct):
     request_id: str = ""
 
 
-_ID_DECODERS = {
+_ID_DECODERS: dict[str, msgspec.json.Decoder[_RequestId] | msgspec.msgpack.Decoder[_RequestId]] = {
     "json": msgspec.json.Decoder(_RequestId),
     "msgpack": msgspec.msgpack.Decoder(_RequestId),
 }
@@ -60,7 +111,7 @@ def _salvage_request_id(codec: Codec, data: bytes) -> str:
         return ""
 
 
-def _decode(codec: Codec, data: bytes):  # -> GenerateRequest
+def _decode(codec: Codec, data: bytes) -> GenerateRequest:
     """Decodes a request; every way a payload can be unreadable is an InvalidRequest."""
     try:
         return codec.decode_request(data)
@@ -71,64 +122,28 @@ def _decode(codec: Codec, data: bytes):  # -> GenerateRequest
         raise InvalidRequest("invalid payload", "nested too deeply to decode") from error
 
 
-@dataclass
-class Delivery:
-    """One request as the transport delivered it (core request or JetStream message)."""
-
-    data: bytes
-    headers: dict[str, str] | None
-    reply: str
-    subject: str
-    arrived: int
-    """time.monotonic_ns() when the message was taken from NATS."""
-    attempt: int | None = None
-    """JetStream delivery attempt (frames carry it); None for core NATS."""
-    final_attempt: bool = True
-    requeue_refusals: bool = False
-    on_done: Callable[[Outcome], Awaitable[None]] | None = None
-
-
-@dataclass
-class InFlight:
-    """A request being served: its session, task, and where its frames go."""
-
-    session: RequestSession
-    task: asyncio.Task[None]
-    listener: Listener
-    deadline: asyncio.TimerHandle | None = None
-
-
 class Worker:
     def __init__(
         self,
         engine: Engine,
-        nc: NATS,
         config: WorkerConfig,
         metrics: WorkerMetrics | None = None,
+        *,
+        max_payload: int,
     ) -> None:
         self.engine = engine
-        self.nc = nc
         self.config = config
+        self.max_payload = max_payload
         # The engine's limits plus the operator's caps: what every request is checked against.
         self.limits = dataclasses.replace(
             engine.limits, max_n=config.max_n, max_tokens_limit=config.max_tokens_limit
         )
         self.metrics = metrics
-        self.service: Service | None = None
-        self._stats: discovery.EndpointStatsRecorder | None = None
-        self._in_flight: dict[asyncio.Task[None], InFlight] = {}
-        self._cancel_subscription: Subscription | None = None
-        self.liveness = Liveness(
-            nc,
-            interval_s=config.liveness_interval_s,
-            probe_timeout_s=config.liveness_timeout_s,
-            grace_s=config.client_gone_grace_s,
-            outage_wait_s=config.outage_wait_s,
-        )
-        self._liveness: asyncio.Task[None] | None = None
+        self.stats: dict[str, SubjectStats] = {}
+        self._in_flight: dict[asyncio.Task[Outcome], InFlight] = {}
         self._draining = False
+        self._capacity_freed = asyncio.Event()
         self.engine_dead = asyncio.Event()
-        self.capacity_freed = asyncio.Event()
         self.served = 0
         self.peak_in_flight = 0
 
@@ -136,100 +151,32 @@ class Worker:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    async def start(self, *, core_endpoints: bool = True) -> None:
-        """Registers with NATS micro; `core_endpoints=False` when requests come from JetStream."""
-        self.service = await discovery.register(
-            self.nc,
-            self.config,
-            self.limits,
-            self.handle,
-            self._stats_data,
-            endpoints=core_endpoints,
-        )
-        self._stats = discovery.EndpointStatsRecorder(self.service)
-        subjects = self.config.subjects
-        # Cancels go to every worker (no queue group): only the one serving the id acts.
-        self._cancel_subscription = await self.nc.subscribe(subjects.cancel, cb=self._on_cancel)
-        self._liveness = asyncio.create_task(self.liveness.run())
-        # Once start returns, the server holds every subscription above: a request published
-        # right after (by a test, a supervisor, a client that saw the worker in discovery)
-        # reaches this worker.
-        await transport.flush(self.nc)
-        log.info(
-            "serving %s (queue group %s) and %s as micro service %s id %s",
-            subjects.generate,
-            self.config.queue_group,
-            subjects.instance(self.config.instance_id),
-            SERVICE_NAME,
-            self.service.id,
-        )
-
-    def _stats_data(self) -> dict[str, object]:
+    def stats_data(self) -> dict[str, object]:
         return {
             "in_flight": self.in_flight,
             "served": self.served,
             "engine_unfinished_requests": self.engine.num_unfinished_requests(),
         }
 
-    async def handle(self, request: Request) -> None:
-        """The micro endpoint handler. nats-py runs one subscription's handlers one after another,
-        so this only validates and hands off; the stream runs in its own task."""
-        arrived = time.monotonic_ns()
-        reply = discovery.reply_subject(request)
-        if not reply:
-            log.warning(
-                "refused a request on %s without a reply subject (%d bytes)",
-                request.subject,
-                len(request.data),
-            )
-            self._record(request.subject, arrived, "no reply subject")
-            return
-        delivery = Delivery(request.data, request.headers, reply, request.subject, arrived)
-        try:
-            await self.accept(delivery)
-        except Exception as error:
-            # Never let an error reach micro: it would answer with an empty, header-only message
-            # that frame readers cannot tell from a liveness probe. accept publishes at most one
-            # frame, its last step, so an error here means none went out: this one is seq 0.
-            log.exception("request on %s failed before it was admitted", request.subject)
-            self._record(delivery.subject, delivery.arrived, f"internal_error: {error!r}")
-            try:
-                await self.answer_error(
-                    reply, request.headers, None, "internal_error", describe(error)
-                )
-            except Exception:
-                log.exception("could not answer the failed request on %s", request.subject)
+    async def wait_for_capacity(self, limit: int) -> None:
+        """Returns once fewer than `limit` requests are in flight."""
+        while self.in_flight >= limit:
+            self._capacity_freed.clear()
+            await self._capacity_freed.wait()
 
-    def _writer(
-        self, reply: str, headers: dict[str, str] | None, attempt: int | None
-    ) -> tuple[FrameWriter, Listener]:
-        """The frame writer for one reply subject, publishing through the liveness gate."""
-        listener = self.liveness.listener(reply)
-        publish = functools.partial(self.liveness.publish, listener)
-        codec = codec_for(headers)
-        return FrameWriter(codec, self.nc.max_payload, publish, attempt), listener
+    def _writer(self, delivery: Delivery) -> FrameWriter:
+        codec = codec_for(delivery.headers)
+        return FrameWriter(codec, self.max_payload, delivery.reply.publish, delivery.attempt)
 
-    async def answer_error(
-        self,
-        reply: str,
-        headers: dict[str, str] | None,
-        attempt: int | None,
-        code: ErrorCode,
-        message: str,
-    ) -> None:
-        """Ends a request that failed before it ran with its one error frame (seq 0)."""
-        writer, _ = self._writer(reply, headers, attempt)
-        await self._answer(writer, "", code, message)
-
-    async def accept(self, delivery: Delivery) -> ErrorCode | None:
+    async def accept(self, delivery: Delivery) -> asyncio.Task[Outcome] | ErrorCode:
         """Validates and admits one request, then serves it in its own task.
 
-        Returns None once the request runs, or the code it was refused with. A refusal is
-        answered with an error frame, except for a JetStream delivery refused for capacity or
-        drain (`delivery.requeue_refusals`), which its caller NAKs for another worker instead.
+        Returns the running request's task (its result is the Outcome), or the code it was
+        refused with. A refusal is answered with an error frame, except a retryable one when
+        `delivery.redelivers` (the intake delivers it again instead).
         """
-        writer, listener = self._writer(delivery.reply, delivery.headers, delivery.attempt)
-        codec = writer.codec
+        self.stats.setdefault(delivery.subject, SubjectStats()).num_requests += 1
+        writer = self._writer(delivery)
         try:
             if len(delivery.data) > self.config.max_request_bytes:
                 raise InvalidRequest(
@@ -237,13 +184,12 @@ class Worker:
                     f"{len(delivery.data)} bytes exceeds max_request_bytes "
                     f"{self.config.max_request_bytes}",
                 )
-            decoded = _decode(codec, delivery.data)
+            decoded = _decode(writer.codec, delivery.data)
             admit(decoded, self.limits)
         except InvalidRequest as error:
-            request_id = _salvage_request_id(codec, delivery.data)
-            await self._refuse(writer, delivery, request_id, "invalid_request", str(error))
-            return "invalid_request"
-        request_id = decoded.request_id
+            request_id = _salvage_request_id(writer.codec, delivery.data)
+            await self._refuse(writer, delivery, request_id, error.code, str(error))
+            return error.code
         limit = self.config.max_concurrency
         refusal: tuple[ErrorCode, str] | None = None
         if self._draining:
@@ -251,8 +197,8 @@ class Worker:
         elif limit is not None and self.in_flight >= limit:
             refusal = ("overloaded", f"worker at max_concurrency {limit}: retry on another worker")
         if refusal is not None:
-            if not delivery.requeue_refusals:
-                await self._refuse(writer, delivery, request_id, *refusal)
+            if not delivery.redelivers:
+                await self._refuse(writer, delivery, decoded.request_id, *refusal)
             return refusal[0]
         engine_request_id = f"{decoded.request_id}-{uuid.uuid4().hex[:12]}"
         session = RequestSession(
@@ -261,12 +207,12 @@ class Worker:
             writer,
             engine_request_id,
             self.metrics,
-            delivery.final_attempt,
+            final_attempt=not delivery.redelivers,
             arrived=delivery.arrived / 1e9,
         )
         task = asyncio.create_task(self._serve(session, delivery))
-        entry = InFlight(session, task, listener)
-        self.liveness.track(listener, functools.partial(self._client_gone, entry))
+        entry = InFlight(session, task, delivery.reply)
+        delivery.reply.watch(functools.partial(self._client_gone, entry))
         if decoded.timeout_ms is not None:
             entry.deadline = asyncio.get_running_loop().call_later(
                 decoded.timeout_ms / 1000,
@@ -278,34 +224,38 @@ class Worker:
         self._in_flight[task] = entry
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         task.add_done_callback(self._done)
-        return None
+        return task
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, task: asyncio.Task[Outcome]) -> None:
         entry = self._in_flight.pop(task)
-        self.liveness.untrack(entry.listener)
+        entry.reply.release()
         if entry.deadline is not None:
             entry.deadline.cancel()
-        self.capacity_freed.set()
+        self._capacity_freed.set()
 
     def _client_gone(self, entry: InFlight) -> None:
         if not entry.task.done():
             log.info("request %s: client gone, aborting", entry.session.request.request_id)
             entry.session.cancel(entry.task, "client_gone", "nobody listens on the reply subject")
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = codec_for(msg.headers).decode_cancel(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as error:
-            log.warning("ignored an invalid cancel on %s: %s", msg.subject, error)
-            return
-        # Bound to the reply subject: an equal request_id of another publisher is not touched.
+    def cancel(self, request_id: str, reply_subject: str) -> int:
+        """Cancels the running request(s) with this id whose frames go to `reply_subject`: an
+        equal request_id of another publisher is not touched. Returns how many."""
+        cancelled = 0
         for entry in list(self._in_flight.values()):
             if (
-                entry.session.request.request_id == cancel.request_id
-                and entry.listener.reply == cancel.reply_subject
+                entry.session.request.request_id == request_id
+                and entry.reply.subject == reply_subject
             ):
-                log.info("request %s cancelled by its client", cancel.request_id)
+                log.info("request %s cancelled by its client", request_id)
                 entry.session.cancel(entry.task)
+                cancelled += 1
+        return cancelled
+
+    async def answer_error(self, delivery: Delivery, code: ErrorCode, message: str) -> None:
+        """Ends a request that failed before it ran (its intake's guard caught the error) with
+        its one error frame (seq 0)."""
+        await self._refuse(self._writer(delivery), delivery, "", code, message)
 
     async def _refuse(
         self,
@@ -315,25 +265,20 @@ class Worker:
         code: ErrorCode,
         message: str,
     ) -> None:
-        await self._answer(writer, request_id, code, message)
-        self._record(delivery.subject, delivery.arrived, f"{code}: {message}")
-
-    async def _answer(
-        self, writer: FrameWriter, request_id: str, code: ErrorCode, message: str
-    ) -> None:
         log.info("request %s %s error=%r", request_id or "-", code, message)
-        await send_error(writer, request_id, code, message)
+        self._record(delivery, f"{code}: {message}")
         if self.metrics is not None:
             self.metrics.error(code)
             self.metrics.finished(code)
+        await send_error(writer, request_id, code, message)
 
-    async def _serve(self, session: RequestSession, delivery: Delivery) -> None:
+    async def _serve(self, session: RequestSession, delivery: Delivery) -> Outcome:
         if self.metrics is not None:
             self.metrics.in_flight.inc()
         try:
             outcome = await session.run()
-        except EngineDead as error:
-            log.error("engine dead while serving %s: %s", session.request.request_id, error)
+        except EngineDead as dead:
+            log.error("engine dead while serving %s: %s", session.request.request_id, dead)
             self.engine_dead.set()
             outcome = session.outcome
         finally:
@@ -341,21 +286,20 @@ class Worker:
                 self.metrics.in_flight.dec()
         self.served += 1
         self._log_outcome(outcome, session.writer)
-        error = f"{outcome.error_code}: {outcome.error_message}" if outcome.error_code else None
-        self._record(delivery.subject, delivery.arrived, error)
-        if delivery.on_done is not None:
-            try:
-                await delivery.on_done(outcome)
-            except Exception:
-                log.exception("settling request %s failed", outcome.request_id)
+        failure = f"{outcome.error_code}: {outcome.error_message}" if outcome.error_code else None
+        self._record(delivery, failure)
         if self.metrics is not None:
             self.metrics.finished(outcome.label)
             if outcome.error_code is not None:
                 self.metrics.error(outcome.error_code)
+        return outcome
 
-    def _record(self, subject: str, arrived: int, error: str | None) -> None:
-        if self._stats is not None:
-            self._stats.record(subject, time.monotonic_ns() - arrived, error)
+    def _record(self, delivery: Delivery, error: str | None) -> None:
+        stats = self.stats.setdefault(delivery.subject, SubjectStats())
+        stats.processing_time_ns += time.monotonic_ns() - delivery.arrived
+        if error is not None:
+            stats.num_errors += 1
+            stats.last_error = error
 
     def _log_outcome(self, outcome: Outcome, writer: FrameWriter) -> None:
         elapsed = time.monotonic() - outcome.started
@@ -381,18 +325,16 @@ class Worker:
                 log.error("engine health check failed: %s", error)
                 self.engine_dead.set()
 
-    def interrupt_all(self, code, message: str) -> list[asyncio.Task[None]]:
+    def interrupt_all(self, code: ErrorCode, message: str) -> list[asyncio.Task[Outcome]]:
         entries = list(self._in_flight.values())
         for entry in entries:
             entry.session.interrupt(entry.task, code, message)
         return [entry.task for entry in entries]
 
     async def drain(self, timeout_s: float) -> None:
-        """Stop taking requests; let in-flight ones finish for up to `timeout_s`; end the rest
+        """Stop admitting requests; let in-flight ones finish for up to `timeout_s`; end the rest
         with a retryable `worker_shutdown` error frame (their engine requests are aborted)."""
         self._draining = True
-        if self.service is not None:
-            await self.service.stop()
         pending = set(self._in_flight)
         if pending and timeout_s > 0:
             log.info("draining %d in-flight requests (up to %.1fs)", len(pending), timeout_s)
@@ -403,13 +345,3 @@ class Worker:
                 "worker_shutdown", "worker shut down before this request finished: retry"
             )
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def stop(self) -> None:
-        await self.drain(0.0)
-        if self._liveness is not None:
-            self._liveness.cancel()
-        if self._cancel_subscription is not None:
-            try:
-                await self._cancel_subscription.unsubscribe()
-            except Exception:  # connection already closed
-                pass

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from messages.errors import ErrorCode, is_retryable, kind
 from messages.frames import ErrorInfo, ResponseFrame, Usage
 from messages.request import GenerateRequest
-from worker.engine_api import Engine, EngineDead, EngineFailure, InvalidRequest, describe
-from worker.framing import FrameTooLarge, FrameWriter, Undeliverable
-from worker.logprobs import AlignmentError
+from worker.engine.contract import Engine, EngineDead, EngineFailure
+from worker.errors import WorkerError, describe
+from worker.framing import FrameWriter, Undeliverable
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class RequestSession:
         """`arrived`: time.monotonic() when the request's message was taken from NATS (what
         time to first token counts from); default now."""
         self.request = request
-        # False while a JetStream redelivery can still retry the request: retryable failures
-        # then end silently (the next attempt answers) instead of with an error frame.
+        # False while the intake can still retry the request by delivering it again (JetStream
+        # with attempts left): retryable failures then end silently (the next attempt answers)
+        # instead of with an error frame.
         self.final_attempt = final_attempt
         self.engine = engine
         self.writer = writer
@@ -128,15 +129,13 @@ class RequestSession:
         except Undeliverable as error:
             # Nothing can reach the client, an error frame included: record why, send nothing.
             log.warning("request %s: %s", self.request.request_id, error)
-            self.outcome.error_code = "client_gone"
+            self.outcome.error_code = error.code
             self.outcome.error_message = str(error)
-        except InvalidRequest as error:
-            await self._fail("invalid_request", str(error))
         except EngineDead as error:
-            await self._fail("engine_error", str(error))
+            await self._fail(error.code, str(error))
             raise
-        except (EngineFailure, AlignmentError, FrameTooLarge) as error:
-            await self._fail("engine_error", str(error))
+        except WorkerError as error:
+            await self._fail(error.code, str(error))
         except Exception as error:  # a bug must not leave the client waiting
             log.exception("request %s failed", self.request.request_id)
             await self._fail("internal_error", describe(error))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from messages.request import GenerateRequest
-from worker.engine_api import EngineLimits, InvalidRequest
+from worker.engine.contract import EngineLimits, InvalidRequest
 
 
 def _check_vocab(field: str, token_ids: Iterable[int], vocab_size: int) -> None:

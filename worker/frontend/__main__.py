@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from messages.subjects import Subjects
+from worker.config import environment
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -14,7 +14,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m worker.frontend",
         description="OpenAI-compatible HTTP frontend for vLLM NATS workers.",
     )
-    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--nats-url", default=environment().get("nats_url", "nats://127.0.0.1:4222"))
     parser.add_argument(
         "--model", required=True, help="the model's directory (its tokenizer is loaded)"
     )
@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     import nats
     import uvicorn
+    from nats.aio.client import Client as NATS
 
     from worker.frontend.app import FrontendSettings, create_app
     from worker.frontend.tokenizer import ModelTokenizer
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         retries=args.retries,
     )
 
-    async def connect() -> nats.aio.client.Client:
+    async def connect() -> NATS:
         return await nats.connect(args.nats_url.split(","), max_reconnect_attempts=-1)
 
     app = create_app(settings, ModelTokenizer.load(args.model), connect=connect)

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,8 +128,8 @@ async def _watch_disconnect(request: Request) -> None:
 
 
 async def _until_disconnected(
-    request: Request, frames: AsyncIterator[ResponseFrame]
-) -> AsyncIterator[ResponseFrame]:
+    request: Request, frames: AsyncGenerator[ResponseFrame, None]
+) -> AsyncGenerator[ResponseFrame, None]:
     """`frames`, stopped (and so cancelled on the worker) as soon as the HTTP client is gone.
     Polling is needed: a stream that waits for its next frame sends nothing that could fail.
     Closing this closes `frames` too, whatever the reason (disconnect, error, task cancelled)."""
@@ -155,13 +155,13 @@ async def _until_disconnected(
             step.cancel()
             with contextlib.suppress(BaseException):
                 await step
-        await frames.aclose()  # type: ignore[attr-defined]
+        await frames.aclose()
 
 
 class FrameSource:
     """One request's frames with its first frame already read (see the module's invariants)."""
 
-    def __init__(self, frames: AsyncIterator[ResponseFrame], first: ResponseFrame) -> None:
+    def __init__(self, frames: AsyncGenerator[ResponseFrame, None], first: ResponseFrame) -> None:
         self._frames = frames
         self.first = first
 
@@ -171,7 +171,7 @@ class FrameSource:
             yield frame
 
     async def aclose(self) -> None:
-        await self._frames.aclose()  # type: ignore[attr-defined]
+        await self._frames.aclose()
 
     async def fold(self, add: Callable[[ResponseFrame], object]) -> None:
         """Non-streaming: every frame through `add`; a worker error frame is the HTTP error."""
@@ -221,8 +221,8 @@ class Reply:
 
         async def events() -> AsyncIterator[str]:
             try:
-                for chunk in opening:
-                    yield _sse(self.envelope(object_, [chunk]))
+                for opener in opening:
+                    yield _sse(self.envelope(object_, [opener]))
                 async for frame in source.all():
                     if frame.error:
                         error = OpenAIError.from_worker(frame.error.code, frame.error.message)

@@ -41,7 +41,9 @@ def _chosen(row: list[TopLogprob], token_id: int) -> TopLogprob:
 def _steps(frame: ResponseFrame) -> list[tuple[int, float | None, list[TopLogprob] | None]]:
     """(token id, logprob, row) per generated token of the frame; None where not asked."""
     values = frame.log_probs or [None] * len(frame.token_ids)
-    rows = frame.top_logprobs or [None] * len(frame.token_ids)
+    rows: list[list[TopLogprob] | None] = [None] * len(frame.token_ids)
+    if frame.top_logprobs:
+        rows = list(frame.top_logprobs)
     return list(zip(frame.token_ids, values, rows, strict=True))
 
 

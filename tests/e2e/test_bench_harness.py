@@ -1,0 +1,33 @@
+"""The benchmark harness compares like with like: both sides of P1 generate the same tokens for
+the same requests, and the P3 synthetic engine's frames obey the wire contract."""
+
+from __future__ import annotations
+
+from bench.load import DirectSender, NatsSender, prompts, run
+from tests.helpers import TEST_SUBJECTS
+
+
+async def test_p1_sides_generate_the_same_number_of_tokens(engine, worker, client) -> None:
+    token_prompts = prompts(8, 16, engine.limits.vocab_size)
+    sender = NatsSender(client, TEST_SUBJECTS.generate)
+    await sender.start()
+    try:
+        for logprobs in (None, 5):
+            results = [
+                await run(
+                    side,
+                    token_prompts,
+                    concurrency=4,
+                    requests_per_stream=2,
+                    max_tokens=12,
+                    logprobs=logprobs,
+                )
+                for side in (DirectSender(engine), sender)
+            ]
+            assert [r.tokens for r in results] == [4 * 2 * 12] * 2
+            assert all(len(r.ttft_s) == 8 and min(r.ttft_s) > 0 for r in results)
+        assert sender.frames >= 8 * 12  # at least one frame per token step was read
+    finally:
+        await sender.stop()
+
+

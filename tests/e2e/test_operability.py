@@ -1,0 +1,440 @@
+"""CLI with vLLM's engine args, embedded defaults, NATS micro discovery, metrics, compose file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import msgspec
+import pytest
+import yaml
+from prometheus_client import start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from messages.codec import MSGPACK
+from messages.subjects import SERVICE_NAME
+from tests.helpers import (
+    ROOT,
+    TEST_SUBJECTS,
+    collect,
+    exchange,
+    make_request,
+    read_until,
+    subprocess_env,
+)
+from worker.cli import build_parser, engine_args
+from worker.client import __main__ as client_cli
+from worker.client import complete
+
+PROMPT = [1, 300, 301, 302]
+
+
+async def discover(nc, verb: str, wait: float = 0.5) -> list[dict]:
+    """Every micro service's answer to `$SRV.<verb>.vllm-nats-worker` (there may be several)."""
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    await nc.publish(f"$SRV.{verb}.{SERVICE_NAME}", b"", reply=inbox)
+    answers = []
+    deadline = time.monotonic() + wait
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await subscription.next_msg(timeout=left)
+            except Exception:
+                break
+            answers.append(json.loads(msg.data))
+    finally:
+        await subscription.unsubscribe()
+    return answers
+
+
+async def srv(nc, verb: str, service_id: str) -> dict:
+    msg = await nc.request(f"$SRV.{verb}.{SERVICE_NAME}.{service_id}", b"", timeout=5)
+    return json.loads(msg.data)
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" not in sample.labels:
+                samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def test_unknown_flag_fails_with_argparse_message(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--model", "m", "--no-such-flag"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_help_shows_worker_and_vllm_engine_flags(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "NATS worker" in out
+    for flag in (
+        "--nats-url",
+        "--namespace",
+        "--component",
+        "--endpoint",
+        "--queue-group",
+        "--max-concurrency",
+        "--drain-timeout",
+        "--metrics-port",
+        "--tls-ca",
+        "--nats-creds",
+        "--model",
+        "--tensor-parallel-size",
+        "--max-logprobs",
+        "--max-model-len",
+    ):
+        assert flag in out, flag
+
+
+def test_engine_args_go_to_vllm_as_vllm_serve_takes_them(tiny_model: Path) -> None:
+    args = build_parser().parse_args(
+        [
+            "--model",
+            str(tiny_model),
+            "--max-logprobs",
+            "7",
+            "--max-model-len",
+            "256",
+            "--tensor-parallel-size",
+            "1",
+            "--dtype",
+            "float32",
+        ]
+    )
+    resolved = engine_args(args)
+    assert (resolved.model, resolved.max_logprobs, resolved.max_model_len) == (
+        str(tiny_model),
+        7,
+        256,
+    )
+    assert resolved.tensor_parallel_size == 1 and resolved.dtype == "float32"
+    # --dev and no --model: the tiny demo model, fp32, max_model_len 512, eager.
+    default = engine_args(build_parser().parse_args(["--dev"]))
+    assert Path(default.model).name.startswith("tiny-llama")
+    assert (default.dtype, default.max_model_len, default.enforce_eager) == ("float32", 512, True)
+
+
+async def test_micro_ping_info_stats_and_counts_move(worker, client, engine) -> None:
+    service_id = worker.service.id
+    ping = await srv(client, "PING", service_id)
+    assert (ping["name"], ping["id"], ping["version"]) == ("vllm-nats-worker", service_id, "0.1.0")
+    info = await srv(client, "INFO", service_id)
+    assert info["metadata"]["model"] == engine.limits.model
+    assert info["metadata"]["max_logprobs"] == "20"
+    assert info["metadata"]["instance_id"] == worker.config.instance_id
+    assert info["metadata"]["engine"].startswith("vllm ")
+    endpoints = {e["name"]: e for e in info["endpoints"]}
+    assert endpoints["generate"]["subject"] == TEST_SUBJECTS.generate
+    assert endpoints["generate"]["queue_group"] == "vllm-workers"
+    assert endpoints["generate-direct"]["subject"] == TEST_SUBJECTS.instance(
+        worker.config.instance_id
+    )
+    assert any(s["id"] == service_id for s in await discover(client, "PING"))
+
+    def generate_stats(stats: dict) -> dict:
+        return next(e for e in stats["endpoints"] if e["name"] == "generate")
+
+    before = generate_stats(await srv(client, "STATS", service_id))
+    started = time.monotonic()
+    for i in range(2):
+        await complete(
+            client, make_request(f"stats-{i}", PROMPT, max_tokens=8), subject=TEST_SUBJECTS.generate
+        )
+    elapsed_ns = (time.monotonic() - started) * 1e9
+    await exchange(
+        client, TEST_SUBJECTS.generate, msgspec.msgpack.encode({"request_id": "x", "token_ids": []})
+    )
+
+    # A long request in flight shows up in the stats' data.
+    long_request = asyncio.create_task(
+        complete(
+            client,
+            make_request("stats-long", PROMPT, max_tokens=300),
+            subject=TEST_SUBJECTS.generate,
+        )
+    )
+    for _ in range(200):
+        during = generate_stats(await srv(client, "STATS", service_id))
+        if during["data"]["in_flight"] >= 1:
+            break
+        await asyncio.sleep(0.02)
+    assert during["data"]["in_flight"] >= 1
+    assert during["data"]["engine_unfinished_requests"] >= 1
+    await long_request
+    after = generate_stats(await srv(client, "STATS", service_id))
+    assert after["num_requests"] == before["num_requests"] + 4  # 2 served, 1 bad, 1 long
+    assert after["num_errors"] == before["num_errors"] + 1
+    assert "invalid_request" in after["last_error"]
+    # Streaming time counts: at least the two served requests' wall time (minus client overhead).
+    assert after["processing_time"] - before["processing_time"] >= 0.5 * elapsed_ns
+    assert after["data"]["in_flight"] == 0
+
+
+async def test_metrics_endpoint_shows_counters_and_histograms(
+    worker, client, worker_metrics
+) -> None:
+    server, thread = start_http_server(0, "127.0.0.1", registry=worker_metrics.registry)
+    try:
+        port = server.server_port
+        for i in range(3):
+            await complete(
+                client,
+                make_request(f"m-{i}", PROMPT, max_tokens=10, logprobs=2),
+                subject=TEST_SUBJECTS.generate,
+            )
+        await exchange(client, TEST_SUBJECTS.generate, b"\xc1garbage")
+        samples = await asyncio.to_thread(scrape, port)
+    finally:
+        server.shutdown()
+    assert samples["nats_worker_requests_total{outcome=length}"] >= 3
+    assert samples["nats_worker_requests_total{outcome=invalid_request}"] >= 1
+    assert samples["nats_worker_errors_total{code=invalid_request}"] >= 1
+    assert samples["nats_worker_generated_tokens_total{}"] >= 30
+    assert samples["nats_worker_time_to_first_token_seconds_count{}"] >= 3
+    assert samples["nats_worker_time_to_first_token_seconds_sum{}"] > 0
+    assert samples["nats_worker_inter_token_latency_seconds_count{}"] >= 27
+    assert samples["nats_worker_in_flight_requests{}"] == 0
+
+
+async def test_cli_worker_serves_with_engine_args_and_drains_on_sigterm(
+    nats_server, tiny_model, client
+) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "worker",
+        "--nats-url",
+        nats_server.url,
+        "--namespace",
+        "cli",
+        "--instance-id",
+        "cli1",
+        "--model",
+        str(tiny_model),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--max-logprobs",
+        "7",
+        "--enforce-eager",
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
+    lines: list[str] = []
+    try:
+        ready = await read_until(
+            proc.stdout,
+            r"vllm-nats-worker ready: .*metrics http://127\.0\.0\.1:(\d+)/metrics",
+            lines,
+            300,
+        )
+        metrics_port = int(ready.group(1))
+        rest = asyncio.create_task(collect(proc.stdout, lines))
+        subject = "cli.vllm.generate"
+
+        served = await complete(
+            client, make_request("cli-1", PROMPT, max_tokens=5, logprobs=7), subject=subject
+        )
+        assert served.choices[0].finish_reason == "length"
+        assert all(len(row) in (7, 8) for row in served.choices[0].top_logprobs)
+        raw = await exchange(
+            client, subject, MSGPACK.encode(make_request("cli-2", PROMPT, logprobs=8))
+        )
+        assert (
+            "must be <= 7 (the engine's max_logprobs)"
+            in msgspec.msgpack.decode(raw[0])["error"]["message"]
+        )
+        raw = await exchange(client, subject, MSGPACK.encode(make_request("cli-3", [5] * 300)))
+        assert "max_model_len 256" in msgspec.msgpack.decode(raw[0])["error"]["message"]
+
+        infos = [
+            i for i in await discover(client, "INFO") if i["metadata"]["instance_id"] == "cli1"
+        ]
+        assert len(infos) == 1 and infos[0]["metadata"]["max_logprobs"] == "7"
+        samples = await asyncio.to_thread(scrape, metrics_port)
+        assert samples["nats_worker_requests_total{outcome=length}"] == 1
+        assert samples["nats_worker_errors_total{code=invalid_request}"] == 2
+        assert any(name.startswith("vllm:") for name in samples), (
+            "vLLM's own metrics are served too"
+        )
+
+        # SIGTERM with a request in flight: it finishes (drain), then the worker exits 0.
+        frames = []
+
+        async def long_request() -> None:
+            request = make_request("cli-long", PROMPT, max_tokens=120)
+            async for data in _frames(client, subject, request):
+                frames.append(data)
+
+        in_flight = asyncio.create_task(long_request())
+        while not frames:
+            await asyncio.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(in_flight, 60)
+        assert frames[-1].finish_reason == "length"
+        assert sum(len(f.token_ids) for f in frames) == 120
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        await rest
+        output = "".join(lines)
+        assert "request cli-1 length tokens=5" in output  # one log line per request outcome
+        assert "request cli-2 invalid_request" in output
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _frames(nc, subject, request):
+    from worker.client import generate
+
+    async for frame in generate(nc, request, subject=subject):
+        yield frame
+
+
+async def test_demo_runs_on_embedded_nats_and_default_model() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "worker.dev.demo",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert re.search(r"embedded nats-server on nats://127\.0\.0\.1:\d+", text)
+    assert "no --model: serving the tiny demo model" in text
+    rows = re.findall(r"^\s*\d+\s+\d+\s+'.*'\s+[0-9a-f ]+\s+-?\d+\.\d{4}\s", text, re.MULTILINE)
+    assert len(rows) == 16, text[-3000:]
+    assert "finish_reason='length'" in text and "completion_tokens=16" in text
+
+
+def test_compose_file_services_ports_and_real_cli_flags() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert set(services) == {"nats", "worker", "client"}
+
+    nats = services["nats"]
+    assert "-js" in nats["command"] and nats["command"][nats["command"].index("-m") + 1] == "8222"
+    assert {"4222:4222", "8222:8222"} <= set(nats["ports"])
+
+    worker = services["worker"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "[gpu]" in " ".join(worker["entrypoint"]) or worker["image"].startswith("vllm/")
+    command = worker["command"]
+    assert command[0] == "vllm-nats-worker"
+    args = build_parser().parse_args(command[1:])  # exits on any flag the CLI does not accept
+    assert args.nats_url == "nats://nats:4222"
+    assert f"{args.metrics_port}:{args.metrics_port}" in worker["ports"]
+    assert "nats" in worker["depends_on"]
+
+    client = services["client"]
+    assert client["command"][:3] == ["python", "-m", "worker.client"]
+    client_args = client_cli._parse_args(client["command"][3:])
+    assert client_args.nats_url == args.nats_url
+    assert client_args.subject == f"{args.namespace}.{args.component}.{args.endpoint}"
+
+
+async def test_engine_death_answers_in_flight_and_exits_non_zero(
+    nats_server, tiny_model, client
+) -> None:
+    import psutil
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "worker",
+        "--nats-url",
+        nats_server.url,
+        "--namespace",
+        "crash",
+        "--instance-id",
+        "crash1",
+        "--model",
+        str(tiny_model),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--health-interval",
+        "1",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
+    lines: list[str] = []
+    try:
+        await read_until(proc.stdout, r"vllm-nats-worker ready:", lines, 300)
+        rest = asyncio.create_task(collect(proc.stdout, lines))
+        frames = []
+
+        async def long_request() -> None:
+            async for frame in _frames(
+                client, "crash.vllm.generate", make_request("crash-1", PROMPT, max_tokens=400)
+            ):
+                frames.append(frame)
+
+        in_flight = asyncio.create_task(long_request())
+        while not frames:
+            await asyncio.sleep(0.01)
+        engine_cores = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())
+        ]
+        if not engine_cores:  # the engine core process may not be renamed: kill every child
+            engine_cores = psutil.Process(proc.pid).children(recursive=True)
+        for child in engine_cores:
+            child.kill()
+        await asyncio.wait_for(in_flight, 60)
+        final = frames[-1]
+        assert final.finish_reason == "error" and final.error.code == "engine_error"
+        assert await asyncio.wait_for(proc.wait(), 60) == 1
+        await rest
+        assert "engine is dead: answering in-flight requests and exiting" in "".join(lines)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_the_production_cli_requires_a_model_and_a_nats_url(capsys) -> None:
+    """A misconfigured pod must not look ready on a random-weight model or a private broker:
+    without --model and a NATS URL the worker exits 2 and says what is missing (--dev asks for
+    the embedded defaults instead, as the demo does)."""
+    from worker.cli import serve
+
+    assert await serve(build_parser().parse_args([])) == 2
+    assert "--model and --nats-url (or NATS_URL) required" in capsys.readouterr().err
+    assert await serve(build_parser().parse_args(["--model", "/models/m"])) == 2
+    assert "vllm-nats-worker: --nats-url (or NATS_URL) required" in capsys.readouterr().err
+    args = build_parser().parse_args(["--dev"])
+    assert args.dev and args.model is None and args.nats_url is None

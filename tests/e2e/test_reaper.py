@@ -1,0 +1,306 @@
+"""worker/engine/reaper.py: a worker's processes die with its main process, even SIGKILLed.
+
+The unit tests run the reaper under a small Python parent (no vllm); the end-to-end test runs the
+real `python -m worker` on the CPU engine and SIGKILLs only its main process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from worker.engine import reaper
+
+ROOT = Path(__file__).resolve().parents[2]
+REAPED = "vllm-nats-worker reaper: worker process"
+
+
+def gone(process: psutil.Process) -> bool:
+    """Exited (a zombie holds nothing but its PID table entry), or its PID is someone else's."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def wait_gone(processes: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """The processes still alive after `timeout` s."""
+    left = list(processes)
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if not gone(p)]
+    return left
+
+
+def kill_all(processes: Iterable[psutil.Process]) -> None:
+    for process in processes:
+        if not gone(process):  # is_running() compares creation times: never a reused PID
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+PARENT = textwrap.dedent(
+    """
+    import multiprocessing, subprocess, sys, time
+    from worker.engine import reaper
+
+    handle = reaper.watch_this_process(interval=0.2)
+    assert reaper.watch_this_process() is handle  # once per process
+    quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # a child with a grandchild, and a child the parent ends itself
+    tree = subprocess.Popen(
+        ["sh", "-c", "sleep 300 & exec sleep 301"], start_new_session=True, **quiet
+    )
+    ended = subprocess.Popen(["sleep", "302"], **quiet)
+    if sys.argv[1:] == ["multiprocessing"]:  # as vLLM starts EngineCore: on GPU, on CPU
+        for method in ("fork", "spawn"):
+            context = multiprocessing.get_context(method)
+            context.Process(target=time.sleep, args=(300,), daemon=True).start()
+    time.sleep(0.5)  # the reaper's next scan sees the grandchild
+    ended.kill()
+    ended.wait()
+    print("ready", handle.pid, ended.pid, flush=True)
+    how = sys.stdin.readline().strip()  # the test SIGKILLs the parent here, or tells it to exit
+    if how == "clean-exit":  # end the child and grandchild, and wait until they are gone
+        import os, signal, psutil
+        grandchildren = psutil.Process(tree.pid).children()
+        os.killpg(tree.pid, signal.SIGKILL)
+        tree.wait()
+        for p in grandchildren:
+            try:
+                while p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    time.sleep(0.01)
+            except psutil.Error:
+                pass
+    sys.exit(0)
+    """
+)
+
+
+class Parent:
+    """A Python parent with a reaper, a child, a grandchild and a child it ended itself."""
+
+    def __init__(self, *args: str) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", PARENT, *args],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline().split()
+        assert line[:1] == ["ready"], (line, self.popen.stderr and self.popen.stderr.read())
+        self.reaper = psutil.Process(int(line[1]))
+        self.ended_pid = int(line[2])
+        self.descendants = [
+            p
+            for p in psutil.Process(self.popen.pid).children(recursive=True)
+            if p.pid != self.reaper.pid
+        ]
+
+    def stderr_at_end(self) -> str:
+        """The parent's stderr, which its reaper shares: complete once both are gone."""
+        _, err = self.popen.communicate(timeout=10)
+        return err
+
+    def cleanup(self) -> None:
+        self.popen.kill()
+        self.popen.wait()
+        kill_all([*self.descendants, self.reaper])
+
+
+@pytest.mark.parametrize("children", ["popen", "multiprocessing"])
+def test_sigkill_of_the_parent_kills_its_children_and_grandchildren_only(children: str) -> None:
+    bystander = subprocess.Popen(["sleep", "300"])  # not the parent's: must survive
+    parent = Parent(children)
+    try:
+        names = sorted(_name(p) for p in parent.descendants)
+        # popen: sh (exec'd to sleep) and its sleep; multiprocessing adds a fork child, a spawn
+        # child and the spawn context's resource tracker (python processes)
+        assert len(names) == (2 if children == "popen" else 5), names
+        assert parent.reaper.ppid() == parent.popen.pid
+        maps = Path(f"/proc/{parent.reaper.pid}/maps").read_text()
+        # A cheap process: no torch or vllm loaded (torch's libgomp may be mapped all the same:
+        # vLLM's CPU platform puts it in LD_PRELOAD, which every later child inherits).
+        assert "libtorch" not in maps and "/vllm/" not in maps
+        parent.popen.send_signal(signal.SIGKILL)
+        parent.popen.wait()
+        assert wait_gone(parent.descendants, 5) == []
+        assert wait_gone([parent.reaper], 5) == []
+        err = parent.stderr_at_end()
+        killed = f"killed {len(names)} leftover process(es)"
+        assert err.count(REAPED) == 1 and killed in err, err
+        for p in parent.descendants:
+            assert f"{p.pid} (" in err
+        assert f"{parent.ended_pid} (" not in err
+        assert bystander.poll() is None
+    finally:
+        parent.cleanup()
+        bystander.kill()
+        bystander.wait()
+
+
+def test_normal_exit_kills_the_leftovers_and_the_reaper_exits() -> None:
+    parent = Parent()
+    try:
+        parent.popen.stdin.write("exit\n")  # leaves its child and grandchild running
+        parent.popen.stdin.flush()
+        assert parent.popen.wait(10) == 0
+        assert wait_gone(parent.descendants, 5) == []
+        assert wait_gone([parent.reaper], 5) == []
+        err = parent.stderr_at_end()
+        assert err.count(REAPED) == 1 and "killed 2 leftover process(es)" in err, err
+    finally:
+        parent.cleanup()
+
+
+def test_clean_exit_leaves_nothing_to_reap_and_logs_nothing() -> None:
+    parent = Parent()
+    try:
+        parent.popen.stdin.write("clean-exit\n")
+        parent.popen.stdin.flush()
+        assert parent.popen.wait(10) == 0
+        assert wait_gone([parent.reaper], 5) == []
+        assert REAPED not in parent.stderr_at_end()
+    finally:
+        parent.cleanup()
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return "?"
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "pid-and-create-time"])
+def test_a_recorded_process_that_exited_is_never_signalled(monkeypatch, pidfd: bool) -> None:
+    if not pidfd:  # kernels or sandboxes without pidfd_open
+        monkeypatch.setattr(reaper, "_open_pidfd", lambda pid: None)
+    child = subprocess.Popen(["sleep", "300"])
+    watch = reaper._Watch(os.getpid())
+    tracked = watch._track(psutil.Process(child.pid))
+    assert tracked is not None and (tracked.pidfd is not None) == pidfd
+    assert not tracked.exited()
+    child.kill()
+    child.wait()  # its PID is free for reuse now
+    assert tracked.exited()
+    assert tracked.signal(signal.SIGKILL) is False
+    tracked.close()
+
+
+def test_reaper_refuses_to_watch_a_process_that_is_not_its_parent() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "worker.engine.reaper", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2 and "not this reaper's parent" in done.stderr
+
+
+def test_watching_costs_little_and_imports_nothing_heavy() -> None:
+    code = (
+        "import sys, time; t = time.monotonic(); from worker.engine import reaper; "
+        "h = reaper.watch_this_process(); print(time.monotonic() - t, h is not None, "
+        "[m for m in ('vllm', 'torch', 'psutil') if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30
+    ).stdout.split(maxsplit=2)
+    assert float(out[0]) < 3.0 and out[1] == "True" and out[2].strip() == "[]", out
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: the real worker on the CPU engine.
+
+
+async def test_sigkill_of_the_worker_main_process_kills_engine_core_and_reaper(
+    nats_server, tiny_model
+) -> None:
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "worker",
+        "--nats-url",
+        nats_server.url,
+        "--namespace",
+        "reaper",
+        "--model",
+        str(tiny_model),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,  # its own process group: the finally below can end all of it
+    )
+    lines: list[str] = []
+    descendants: list[psutil.Process] = []
+    collector: asyncio.Task[None] | None = None
+    try:
+        deadline = time.monotonic() + 300
+        while not any("vllm-nats-worker ready" in line for line in lines):
+            left = deadline - time.monotonic()
+            assert left > 0, "".join(lines[-60:])
+            line = await asyncio.wait_for(proc.stdout.readline(), left)
+            assert line, "worker exited before ready:\n" + "".join(lines[-60:])
+            lines.append(line.decode(errors="replace"))
+        collector = asyncio.create_task(_collect(proc.stdout, lines))
+
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        reapers = [p for p in descendants if "worker.engine.reaper" in " ".join(_cmdline(p))]
+        cores = [p for p in descendants if "EngineCore" in " ".join([_name(p), *_cmdline(p)])]
+        assert len(reapers) == 1 and cores, [(p.pid, _name(p)) for p in descendants]
+
+        os.kill(proc.pid, signal.SIGKILL)  # the main process only, not its group
+        await proc.wait()
+        left = await asyncio.to_thread(wait_gone, descendants, 15)
+        assert left == [], [(p.pid, _name(p)) for p in left]
+        # Every holder of the worker's stdout is gone: the output ends.
+        await asyncio.wait_for(collector, 15)
+        output = "".join(lines)
+        assert output.count(REAPED) == 1, output[-3000:]
+        reaped = next(line for line in lines if REAPED in line)
+        assert all(f"{p.pid} (" in reaped for p in cores), reaped
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        kill_all(descendants)  # the reaper runs in its own session
+        if collector is not None:
+            collector.cancel()
+
+
+async def _collect(stream: asyncio.StreamReader, lines: list[str]) -> None:
+    while line := await stream.readline():
+        lines.append(line.decode(errors="replace"))

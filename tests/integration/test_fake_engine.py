@@ -1,0 +1,181 @@
+"""Integration layer: the real nats-server with fake engines (worker.dev.fakes), no vLLM.
+
+Liveness probing cost, time to first token from the message's arrival, the frames of the
+synthetic engine on the wire, and how the client reader tells probes from frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import nats
+import pytest
+from prometheus_client import CollectorRegistry
+
+from messages.codec import JSON, MSGPACK
+from messages.subjects import Subjects
+from tests.helpers import Tally, make_request, raw_frames, tally
+from worker.client import RequestError, generate
+from worker.config import NatsConfig, WorkerConfig
+from worker.dev.fakes import PacedFakeEngine, SyntheticFastEngine
+from worker.metrics import WorkerMetrics
+from worker.nats.connection import connect
+from worker.nats.worker import NatsWorker
+from worker.service import Delivery
+
+PROMPT = [1, 300, 301, 302]
+
+
+async def _rest_of(subscription, *, json: bool = False) -> list[dict]:
+    decode = msgspec.json.decode if json else msgspec.msgpack.decode
+    return [decode(data) async for data in raw_frames(subscription, json=json, timeout=30)]
+
+
+async def test_probe_cost_is_per_client_not_per_request(nats_server) -> None:
+    """256 requests in flight from 2 clients: each round probes 2 reply subjects, not 256."""
+    engine = PacedFakeEngine(step_s=0.05)
+    subjects = Subjects("probecost", "fake", "generate")
+    config = WorkerConfig(
+        nats=NatsConfig(servers=[nats_server.url]),
+        subjects=subjects,
+        liveness_interval_s=0.2,
+        liveness_timeout_s=0.1,
+    )
+    worker_nc = await connect(config.nats)
+    worker = NatsWorker(engine, worker_nc, config)
+    await worker.start()
+    clients = [await nats.connect(nats_server.url) for _ in range(2)]
+    try:
+        streams = [Tally(f"probe-{i}") for i in range(256)]
+        tasks = [
+            asyncio.create_task(
+                tally(
+                    clients[i % 2],
+                    subjects.generate,
+                    make_request(s.request_id, PROMPT, max_tokens=60, logprobs=1),
+                    s,
+                )
+            )
+            for i, s in enumerate(streams)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 30)
+        assert worker.in_flight == 256
+        before = worker.liveness.probes_sent
+        await asyncio.sleep(1.0)  # five rounds
+        sent = worker.liveness.probes_sent - before
+        assert worker.liveness.clients == 2
+        assert 2 <= sent <= 2 * 6, sent  # before: 256 per round
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        assert all(s.final["finish_reason"] == "length" for s in streams)
+    finally:
+        for nc in clients:
+            await nc.close()
+        await worker.stop()
+        await worker_nc.close()
+
+
+async def test_time_to_first_token_counts_from_the_messages_arrival(nats_server) -> None:
+    engine = PacedFakeEngine(step_s=0.0)
+    metrics = WorkerMetrics(CollectorRegistry())
+    config = WorkerConfig(
+        nats=NatsConfig(servers=[nats_server.url]), subjects=Subjects("ttft", "fake", "generate")
+    )
+    worker_nc = await connect(config.nats)
+    worker = NatsWorker(engine, worker_nc, config, metrics)
+    await worker.start()
+    inbox = worker_nc.new_inbox()
+    sub = await worker_nc.subscribe(inbox)
+    try:
+        arrived = time.monotonic_ns() - 3_000_000_000  # taken from NATS 3 s ago
+        payload = JSON.encode(make_request("ttft-1", PROMPT, max_tokens=2))
+        headers = {"Content-Type": "application/json"}
+        delivery = Delivery(payload, headers, worker.reply(inbox), "ttft", arrived)
+        running = await worker.accept(delivery)
+        assert isinstance(running, asyncio.Task)
+        assert (await running).first_token_s >= 3.0
+        frames = await _rest_of(sub, json=True)
+        assert frames[-1]["finish_reason"] == "length"
+        registry = metrics.registry
+        name = "nats_worker_time_to_first_token_seconds"
+        assert registry.get_sample_value(f"{name}_count") == 1
+        assert registry.get_sample_value(f"{name}_sum") >= 3.0  # from the arrival, not later
+    finally:
+        await sub.unsubscribe()
+        await worker.stop()
+        await worker_nc.close()
+
+
+async def test_synthetic_engine_frames_follow_the_wire_contract(nats_server, client) -> None:
+    from worker.nats.connection import connect
+    from worker.nats.worker import NatsWorker
+
+    subjects = Subjects("synth", "vllm", "generate")
+    nc = await connect(NatsConfig(servers=[nats_server.url]))
+    worker = NatsWorker(
+        SyntheticFastEngine(),
+        nc,
+        WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects),
+    )
+    await worker.start()
+    inbox = client.new_inbox()
+    subscription = await client.subscribe(inbox)
+    try:
+        from bench.load import make_request
+
+        request = make_request([5, 6, 7], 4, 5)
+        await client.publish(subjects.generate, MSGPACK.encode(request), reply=inbox)
+        maps = [msgspec.msgpack.decode(d) async for d in raw_frames(subscription, timeout=10)]
+        assert [m["seq"] for m in maps] == [0, 1, 2, 3]
+        assert [m["finish_reason"] for m in maps] == [None, None, None, "length"]
+        for m in maps:
+            assert len(m["token_ids"]) == len(m["log_probs"]) == len(m["top_logprobs"]) == 1
+            assert [row["rank"] for row in m["top_logprobs"][0]] == [1, 2, 3, 4, 5]
+        assert maps[-1]["completion_usage"]["completion_tokens"] == 4
+    finally:
+        await subscription.unsubscribe()
+        await worker.stop()
+        await nc.close()
+
+
+async def test_probes_are_skipped_by_their_header_and_an_empty_reply_is_an_error(
+    client,
+) -> None:
+    """A message marked with the probe header is the worker's liveness probe, never a frame; an
+    empty message without it (e.g. a NATS micro responder's error reply) is an error the client
+    raises, rather than skip it and wait out its timeout."""
+    from nats import micro
+
+    from messages.subjects import PROBE_HEADER
+
+    service = await micro.add_service(client, name="raiser", version="0.0.1")
+
+    async def raises(request) -> None:
+        raise ValueError("handler bug")
+
+    await service.add_endpoint(name="gen", subject="raiser.generate", handler=raises)
+    try:
+        with pytest.raises(RequestError) as failed:
+            async for _frame in generate(
+                client, make_request("z", PROMPT), subject="raiser.generate", timeout=30
+            ):
+                pass
+        assert failed.value.code == "internal_error"
+        assert "empty message that is not a probe or frame" in failed.value.message
+    finally:
+        await service.stop()
+
+    async def probe_then_answer(msg) -> None:
+        await client.publish(msg.reply, b"", headers={PROBE_HEADER: "liveness"})
+        frame = {"request_id": "p", "seq": 0, "index": 0, "finish_reason": "length"}
+        await client.publish(msg.reply, msgspec.msgpack.encode(frame))
+
+    subscription = await client.subscribe("prober.generate", cb=probe_then_answer)
+    try:
+        frames = [
+            f async for f in generate(client, make_request("p", PROMPT), subject="prober.generate")
+        ]
+        assert [(f.seq, f.finish_reason) for f in frames] == [(0, "length")]
+    finally:
+        await subscription.unsubscribe()

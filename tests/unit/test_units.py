@@ -1,0 +1,267 @@
+"""Fast unit tests: no vllm, no torch, no model, no nats-server.
+
+The error table, the stop rule, client grouping for probes, configuration defaults and the
+environment, logprob rows over constructed vLLM output shapes, byte-level token tables, and the
+import boundaries between the packages.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from messages.errors import ERROR_CODES, ERRORS, disposition, is_refusal, is_retryable, kind
+from worker.client.reader import RequestEnd
+from worker.config import (
+    JetStreamSettings,
+    NatsConfig,
+    WorkerConfig,
+    default,
+    dev_cache_dir,
+    environment,
+)
+from worker.engine import logprobs
+from worker.engine.tokens import TokenTable
+from worker.errors import describe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- the error model -----------------------------------------------------------------------------
+
+
+def test_every_error_code_has_its_properties_spelled_out() -> None:
+    assert set(ERRORS) == set(ERROR_CODES) == {
+        "invalid_request",
+        "engine_error",
+        "overloaded",
+        "worker_shutdown",
+        "internal_error",
+        "deadline_exceeded",
+        "client_gone",
+    }
+    assert {c for c in ERROR_CODES if is_retryable(c)} == {
+        "engine_error",
+        "overloaded",
+        "worker_shutdown",
+        "internal_error",
+    }
+    assert {c for c in ERROR_CODES if is_refusal(c)} == {"overloaded", "worker_shutdown"}
+    assert [kind(c).http_status for c in ERROR_CODES] == [400, 500, 503, 503, 500, 504, 499]
+    assert all(kind(c).meaning for c in ERROR_CODES)
+    assert kind("a-newer-code").http_status == 500 and not is_retryable("a-newer-code")
+
+
+def test_jetstream_disposition_follows_the_error_table() -> None:
+    assert disposition(None, attempts_left=True) == "ack"
+    assert disposition("engine_error", attempts_left=True) == "nak"
+    assert disposition("engine_error", attempts_left=False) == "term"
+    assert disposition("invalid_request", attempts_left=True) == "term"
+    assert disposition("client_gone", attempts_left=True) == "term"
+
+
+def test_worker_exceptions_carry_their_code() -> None:
+    from worker.engine.contract import EngineDead, EngineFailure, InvalidRequest
+    from worker.framing import FrameTooLarge, Undeliverable
+
+    assert InvalidRequest("f", "r").code == "invalid_request"
+    assert EngineFailure().code == EngineDead().code == "engine_error"
+    assert FrameTooLarge().code == "engine_error"
+    assert logprobs.AlignmentError().code == "engine_error"
+    assert Undeliverable().code == "client_gone"
+
+
+def test_describe_is_never_empty() -> None:
+    try:
+        try:
+            raise KeyError("lost")
+        except KeyError as cause:
+            raise RuntimeError() from cause
+    except RuntimeError as error:
+        assert describe(error) == "RuntimeError: KeyError: 'lost'"
+    assert describe(ValueError()) == "ValueError"
+    assert describe(ValueError("bad")) == "ValueError: bad"
+
+
+# --- the reader's stop rule ----------------------------------------------------------------------
+
+
+def test_a_request_ends_when_every_choice_finished_or_at_an_error() -> None:
+    end = RequestEnd(2)
+    assert not end.saw(0, None)
+    assert not end.saw(0, "length")
+    assert not end.saw(0, "length")  # the same choice twice is still one choice
+    assert end.saw(1, "eos")
+    errored = RequestEnd(3)
+    assert errored.saw(0, "error")
+    errored.restart()
+    assert not errored.ended and not errored.saw(2, "cancelled")
+
+
+# --- probes are per client -----------------------------------------------------------------------
+
+
+def test_client_key_groups_a_connections_inboxes() -> None:
+    from worker.nats.liveness import client_key
+
+    a1, a2 = "_INBOX.ABCDEFGHIJKL0000000001", "_INBOX.ABCDEFGHIJKL0000000002"
+    b1 = "_INBOX.ZYXWVUTSRQPO0000000001"
+    assert client_key(a1) == client_key(a2) == "_INBOX.ABCDEFGHIJKL"
+    assert client_key(b1) != client_key(a1)
+    assert client_key("_INBOX.mux-prefix.17") == "_INBOX.mux-prefix"
+    assert client_key("replies.app.7") == "replies.app"
+    assert client_key("short.x") == "short.x"  # unknown scheme: probed on its own
+    assert client_key("plain") == "plain"
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+def test_defaults_live_in_the_config_classes_and_the_environment_is_read_in_one_place() -> None:
+    assert default(WorkerConfig, "client_gone_grace_s") == 6.0
+    assert default(NatsConfig, "servers") == ["nats://127.0.0.1:4222"]
+    assert default(JetStreamSettings, "max_deliver") == 3
+    env = {"NATS_URL": "nats://a:1", "WORKER_MAX_CONCURRENCY": "8", "UNRELATED": "x"}
+    assert environment(env) == {"nats_url": "nats://a:1", "max_concurrency": "8"}
+    assert dev_cache_dir({"VLLM_NATS_WORKER_CACHE": "/c"}) == Path("/c")
+    assert dev_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/vllm-nats-worker")
+    assert NatsConfig().user is None  # the dataclasses themselves never read the environment
+
+
+def test_library_code_never_reads_or_writes_the_environment() -> None:
+    allowed = {ROOT / "worker" / "config.py"}
+    for path in _modules("worker", "messages"):
+        if path in allowed:
+            continue
+        text = path.read_text()
+        assert "os.environ" not in text and "os.getenv" not in text, path
+
+
+# --- logprob rows over vLLM's output shapes (stand-ins with the same fields) ---------------------
+
+
+class Logprob(NamedTuple):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class FlatLogprobs:
+    """vLLM's FlatLogprobs layout: per position a [start, end) slice of parallel lists."""
+
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+    def add(self, ids: list[int], values: list[float], ranks: list[int]) -> None:
+        self.start_indices.append(len(self.token_ids))
+        self.token_ids += ids
+        self.logprobs += values
+        self.ranks += ranks
+        self.decoded_tokens += [None] * len(ids)
+        self.end_indices.append(len(self.token_ids))
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+
+@pytest.fixture(scope="module")
+def table() -> TokenTable:
+    return TokenTable.from_pieces([f"t{i}" for i in range(16)], set(), set())
+
+
+def test_flat_and_dict_shapes_give_the_same_rows(table: TokenTable) -> None:
+    # Position 0: sampled 7 at rank 3 (outside the top 2); position 1: sampled 4 is the top 1.
+    positions = [
+        {7: Logprob(-2.0, 3), 4: Logprob(-0.5, 1), 9: Logprob(-1.0, 2)},
+        {4: Logprob(-0.1, 1), 8: Logprob(-3.0, 2)},
+    ]
+    flat = FlatLogprobs()
+    flat.add([7, 4, 9], [-2.0, -0.5, -1.0], [3, 1, 2])
+    flat.add([4, 4, 8], [-0.1, -0.1, -3.0], [1, 1, 2])  # the sampled token first, then top-k
+    lp_flat, rows_flat = logprobs.extract([7, 4], flat, 2, table)
+    lp_dict, rows_dict = logprobs.extract([7, 4], positions, 2, table)
+    assert lp_flat == lp_dict == [-2.0, -0.1]
+    assert rows_flat == rows_dict
+    assert [(e.rank, e.token_id) for e in rows_flat[0]] == [(1, 4), (2, 9), (3, 7)]
+    assert [(e.rank, e.token_id, e.token, e.bytes) for e in rows_flat[1]] == [
+        (1, 4, "t4", b"t4"),
+        (2, 8, "t8", b"t8"),
+    ]
+
+
+def test_misaligned_logprobs_raise_instead_of_being_sent(table: TokenTable) -> None:
+    flat = FlatLogprobs()
+    flat.add([5], [-1.5], [1])
+    with pytest.raises(logprobs.AlignmentError, match="2 tokens but logprobs for 1"):
+        logprobs.extract([5, 6], flat, 1, table)
+    with pytest.raises(logprobs.AlignmentError, match="logprobs are for token 5, output has 9"):
+        logprobs.extract([9], flat, 1, table)
+
+
+def test_byte_level_pieces_map_back_to_their_bytes() -> None:
+    # GPT-2 style: "Ġ" stands for the space byte, "Ċ" for newline, "Ã©" for é's two bytes.
+    table = TokenTable.from_pieces(["Ġhi", "Ċ", "Ã©", "<|eot|>"], {"ByteLevel"}, {"<|eot|>"})
+    assert table.byte_values == [b" hi", b"\n", "é".encode(), b"<|eot|>"]
+    assert table.texts == [" hi", "\n", "é", "<|eot|>"]
+
+
+# --- package boundaries ---------------------------------------------------------------------------
+
+
+def _modules(*packages: str) -> list[Path]:
+    return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
+
+
+def _imported(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_only_the_engine_package_imports_vllm() -> None:
+    engine = ROOT / "worker" / "engine"
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in _modules("worker", "messages")
+        if "vllm" in _imported(p) and engine not in p.parents
+    ]
+    assert offenders == []
+
+
+def test_only_the_nats_package_and_the_publisher_side_import_nats() -> None:
+    allowed = [ROOT / "worker" / name for name in ("nats", "client", "frontend")]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in _modules("worker", "messages")
+        if "nats" in _imported(p) and not any(a in p.parents for a in allowed)
+    ]
+    assert offenders == []
+
+
+def test_messages_and_the_client_import_without_vllm_or_torch() -> None:
+    code = (
+        "import sys\n"
+        "for blocked in ('vllm', 'torch', 'transformers'):\n"
+        "    sys.modules[blocked] = None  # importing it now raises ImportError\n"
+        "import messages, worker.client, worker.client.__main__, worker.config\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -1,0 +1,54 @@
+"""The publisher side: send a GenerateRequest over NATS and read its frames (nats-py and
+`messages` only: no vllm or torch).
+
+- `library.py`: `generate` / `complete` (core, with retry of refusals on other workers),
+  `jetstream_generate` / `jetstream_complete`, discovery of workers;
+- `reader.py`: the one frame reader (seq order, the stop rule, probes skipped) and `fold`;
+- `__main__.py`: `python -m worker.client`.
+"""
+
+from worker.client.library import (
+    WorkerInstance,
+    cancel_subject_for,
+    complete,
+    connect,
+    discover_workers,
+    generate,
+    jetstream_complete,
+    jetstream_generate,
+    stream_frames,
+    wait_for_worker,
+)
+from worker.client.reader import (
+    Choice,
+    Completion,
+    FrameOrderError,
+    RequestEnd,
+    RequestError,
+    fold,
+    frame_payloads,
+    is_probe,
+    read_frames,
+)
+
+__all__ = [
+    "Choice",
+    "Completion",
+    "FrameOrderError",
+    "RequestEnd",
+    "RequestError",
+    "WorkerInstance",
+    "cancel_subject_for",
+    "complete",
+    "connect",
+    "discover_workers",
+    "fold",
+    "frame_payloads",
+    "generate",
+    "is_probe",
+    "jetstream_complete",
+    "jetstream_generate",
+    "read_frames",
+    "stream_frames",
+    "wait_for_worker",
+]

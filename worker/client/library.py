@@ -1,0 +1,315 @@
+"""The publisher side: send a GenerateRequest over NATS and read its frames.
+
+Needs only nats-py and `messages` (no vllm or torch). It subscribes to its own inbox before
+publishing (so no frame can be missed), checks `seq` order, enforces a per-frame timeout, and
+stops at the request's end: every choice finished, or one error frame. A caller that stops
+iterating early (break, cancellation, an exception) cancels the request on the workers, so the
+engine is freed at once (the cancel names the request's inbox, so it reaches no other
+publisher's request of the same id). Frames are read by worker.client.reader.
+
+A retryable refusal (`overloaded`, `worker_shutdown`) that comes before anything was yielded is
+retried on another worker: `discover_workers` asks the workers' NATS micro STATS which instances
+serve the subject and how busy they are, and the next attempt goes to the least busy one with
+free capacity on its instance subject, never to one that already refused. A draining worker has
+stopped answering discovery, so it is not discovered at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+
+from messages.codec import JSON, MSGPACK, Codec
+from messages.errors import is_refusal
+from messages.frames import ErrorInfo, ResponseFrame
+from messages.request import CancelRequest, GenerateRequest
+from messages.subjects import CANCEL_TOKEN, REPLY_HEADER, SERVICE_NAME, Subjects
+from worker.client.reader import (
+    Completion,
+    RequestEnd,
+    RequestError,
+    fold,
+    read_frames,
+)
+
+
+async def _publish_cancel(nc: NATS, cancel_subject: str, request_id: str, inbox: str) -> None:
+    """Cancels the request of this id whose frames go to `inbox`: only the publisher knows its
+    inbox, so a request of another publisher with the same id is not touched."""
+    cancel = CancelRequest(request_id=request_id, reply_subject=inbox)
+    try:
+        await nc.publish(cancel_subject, MSGPACK.encode(cancel))
+    except Exception:  # connection gone: the worker's liveness probe notices instead
+        pass
+
+
+async def stream_frames(
+    nc: NATS,
+    subject: str,
+    payload: bytes,
+    *,
+    codec: Codec = MSGPACK,
+    choices: int = 1,
+    timeout: float = 60.0,
+    request_id: str | None = None,
+    cancel_subject: str | None = None,
+) -> AsyncGenerator[ResponseFrame, None]:
+    """Frames of one request, in order, until all `choices` finished or an error frame.
+
+    With `request_id` and `cancel_subject`, leaving early publishes a cancel for the request.
+    """
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    headers = {"Content-Type": codec.content_type} if codec is JSON else None
+    end = RequestEnd(choices)
+    try:
+        await nc.publish(subject, payload, reply=inbox, headers=headers)
+        async with aclosing(read_frames(subscription, codec, end, timeout)) as frames:
+            async for frame in frames:
+                yield frame
+    finally:
+        if not end.ended and request_id is not None and cancel_subject is not None:
+            await _publish_cancel(nc, cancel_subject, request_id, inbox)
+        await subscription.unsubscribe()
+
+
+@dataclass(frozen=True)
+class WorkerInstance:
+    """One worker as its micro STATS describe it."""
+
+    instance_id: str
+    subject: str
+    """Its instance subject (`<generate subject>.<instance_id>`)."""
+    in_flight: int
+    max_concurrency: int | None
+
+    @property
+    def has_capacity(self) -> bool:
+        return self.max_concurrency is None or self.in_flight < self.max_concurrency
+
+
+async def discover_workers(
+    nc: NATS, generate_subject: str, *, window: float = 0.25, name: str = SERVICE_NAME
+) -> list[WorkerInstance]:
+    """Workers that serve `generate_subject`, from every answer to `$SRV.STATS.<name>` that
+    arrives within `window` seconds (micro services answer a discovery request each)."""
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    found: list[WorkerInstance] = []
+    try:
+        await nc.publish(f"$SRV.STATS.{name}", b"", reply=inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + window
+        while (left := deadline - loop.time()) > 0:
+            try:
+                msg = await subscription.next_msg(timeout=left)
+            except Exception:  # nats TimeoutError: the window is over
+                break
+            instance = _instance_from_stats(msg.data, generate_subject)
+            if instance is not None:
+                found.append(instance)
+    finally:
+        await subscription.unsubscribe()
+    return found
+
+
+def _instance_from_stats(data: bytes, generate_subject: str) -> WorkerInstance | None:
+    try:
+        stats = json.loads(data)
+        endpoints = stats.get("endpoints") or []
+        subjects = {e.get("subject"): e for e in endpoints}
+        if generate_subject not in subjects:
+            return None  # a worker of other subjects (or JetStream mode: no core endpoints)
+        instance_id = stats["metadata"]["instance_id"]
+        limit = stats["metadata"].get("max_concurrency", "unlimited")
+        in_flight = int((subjects[generate_subject].get("data") or {}).get("in_flight", 0))
+        return WorkerInstance(
+            instance_id,
+            f"{generate_subject}.{instance_id}",
+            in_flight,
+            None if limit == "unlimited" else int(limit),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _split_subject(subject: str) -> tuple[str, str | None]:
+    """`a.b.c` → (`a.b.c`, None); the instance subject `a.b.c.<id>` → (`a.b.c`, `<id>`)."""
+    tokens = subject.split(".")
+    if len(tokens) == 4:
+        return ".".join(tokens[:3]), tokens[3]
+    return subject, None
+
+
+async def generate(
+    nc: NATS,
+    request: GenerateRequest,
+    *,
+    subject: str | None = None,
+    codec: Codec = MSGPACK,
+    timeout: float = 60.0,
+    retries: int = 2,
+    discovery_window: float = 0.25,
+) -> AsyncGenerator[ResponseFrame, None]:
+    """`async for frame in generate(nc, request)`: the request's frames as they stream.
+
+    `subject` is the generate subject (or an instance subject under it); cancels go to the
+    cancel subject of the same namespace/component/endpoint. A retryable refusal that comes
+    before any frame was yielded is retried up to `retries` times on other workers (see the
+    module's docstring); when none is left, RequestError names the code and every refusal.
+    Any other error frame, and a retryable one after output began, is yielded as it came.
+    """
+    subject = subject or Subjects().generate
+    base, instance_id = _split_subject(subject)
+    refused: set[str] = set()
+    refusals: list[str] = []
+    last: ErrorInfo | None = None
+    target = subject
+    # Every target is the queue group or an instance subject under it: one cancel subject.
+    cancel_subject = cancel_subject_for(subject)
+    for attempt in range(retries + 1):
+        yielded = False
+        refusal: ErrorInfo | None = None
+        async with aclosing(
+            stream_frames(
+                nc,
+                target,
+                codec.encode(request),
+                codec=codec,
+                choices=request.sampling_options.n,
+                timeout=timeout,
+                request_id=request.request_id,
+                cancel_subject=cancel_subject,
+            )
+        ) as frames:
+            async for frame in frames:
+                if not yielded and frame.error and is_refusal(frame.error.code):
+                    refusal = frame.error
+                    break
+                yielded = True
+                yield frame
+        if refusal is None:
+            return
+        last = refusal
+        refusals.append(f"{instance_id or 'queue group ' + base}: {refusal.message}")
+        if instance_id is not None:
+            refused.add(instance_id)
+        if attempt == retries:
+            break
+        candidates = [
+            worker
+            for worker in await discover_workers(nc, base, window=discovery_window)
+            if worker.instance_id not in refused and worker.has_capacity
+        ]
+        if not candidates:
+            refusals.append("no other worker with free capacity")
+            break
+        chosen = min(candidates, key=lambda worker: worker.in_flight)
+        target, instance_id = chosen.subject, chosen.instance_id
+    assert last is not None
+    raise RequestError(last.code, f"refused after {attempt + 1} attempt(s): " + "; ".join(refusals))
+
+
+def cancel_subject_for(subject: str) -> str:
+    """`a.b.c` or the instance subject `a.b.c.<id>` → `a.b.c.cancel`."""
+    tokens = subject.split(".")
+    return Subjects(*tokens[:3]).cancel if len(tokens) >= 3 else f"{subject}.{CANCEL_TOKEN}"
+
+
+async def complete(
+    nc: NATS,
+    request: GenerateRequest,
+    *,
+    subject: str | None = None,
+    codec: Codec = MSGPACK,
+    timeout: float = 60.0,
+    retries: int = 2,
+) -> Completion:
+    frames = [
+        f
+        async for f in generate(
+            nc, request, subject=subject, codec=codec, timeout=timeout, retries=retries
+        )
+    ]
+    return fold(request.request_id, frames, request.sampling_options.n)
+
+
+async def jetstream_generate(
+    nc: NATS,
+    request: GenerateRequest,
+    *,
+    subjects: Subjects | None = None,
+    codec: Codec = MSGPACK,
+    timeout: float = 60.0,
+) -> AsyncGenerator[ResponseFrame, None]:
+    """Publishes to the work-queue stream (`--mode jetstream`) with a JetStream ack, then yields
+    the frames. Frames carry `attempt`: when a worker died and the request was redelivered, a
+    new attempt's frames restart at seq 0 and the caller drops what the old attempt sent (late
+    frames of an older attempt are skipped here)."""
+    subjects = subjects or Subjects()
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    headers = {REPLY_HEADER: inbox}
+    if codec is JSON:
+        headers["Content-Type"] = codec.content_type
+    end = RequestEnd(request.sampling_options.n)
+    try:
+        await nc.jetstream().publish(subjects.queue, codec.encode(request), headers=headers)
+        reader = read_frames(subscription, codec, end, timeout, attempts=True)
+        async with aclosing(reader) as frames:
+            async for frame in frames:
+                yield frame
+    finally:
+        if not end.ended:
+            await _publish_cancel(nc, subjects.cancel, request.request_id, inbox)
+        await subscription.unsubscribe()
+
+
+async def jetstream_complete(
+    nc: NATS,
+    request: GenerateRequest,
+    *,
+    subjects: Subjects | None = None,
+    codec: Codec = MSGPACK,
+    timeout: float = 60.0,
+) -> tuple[Completion, list[int]]:
+    """The last attempt's answer, folded; and the attempts whose frames were seen, in order."""
+    frames: list[ResponseFrame] = []
+    attempts: list[int] = []
+    async for frame in jetstream_generate(
+        nc, request, subjects=subjects, codec=codec, timeout=timeout
+    ):
+        if not attempts or frame.attempt != attempts[-1]:
+            attempts.append(frame.attempt or 0)
+            frames = []  # a new attempt replaces the partial output of the one before
+        frames.append(frame)
+    return fold(request.request_id, frames, request.sampling_options.n), attempts
+
+
+async def connect(url: str, **options: Any) -> NATS:
+    """A publisher's NATS connection (nats-py's, with its options), for callers that import only
+    the client package."""
+    return await nats.connect(url, **options)
+
+
+async def wait_for_worker(nc: NATS, timeout: float, name: str = SERVICE_NAME) -> bool:
+    """True once a worker answers `$SRV.PING.<name>` (workers register as NATS micro services)."""
+    import time
+
+    import nats.errors
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            await nc.request(f"$SRV.PING.{name}", b"", timeout=1.0)
+            return True
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            await asyncio.sleep(0.5)
+    return False

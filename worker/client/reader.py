@@ -1,0 +1,153 @@
+"""Reading one request's frames: `seq` order, one stop rule, folding into a Completion.
+
+The one frame reader of the project (the library, the frontend and the tests use it). It stops
+at the request's end: every choice finished, or one error frame. Messages that carry the
+liveness-probe header are the worker's probes and are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from messages.codec import Codec
+from messages.frames import ResponseFrame, TopLogprob, Usage
+from messages.subjects import PROBE_HEADER
+
+
+class FrameOrderError(RuntimeError):
+    """A frame arrived out of `seq` order, or one is missing."""
+
+
+class RequestError(RuntimeError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def is_probe(msg: Msg) -> bool:
+    """A worker's liveness probe on a reply subject (marked by a header), not a frame."""
+    return msg.headers is not None and PROBE_HEADER in msg.headers
+
+
+class RequestEnd:
+    """The one stop rule: a request has ended once every one of its `choices` sent a frame with
+    a finish reason, or at its (single) error frame."""
+
+    def __init__(self, choices: int) -> None:
+        self.choices = choices
+        self.finished: set[int] = set()
+        self.ended = False
+
+    def saw(self, index: int, finish_reason: str | None) -> bool:
+        """Records one frame's (index, finish_reason); True once the request has ended."""
+        if finish_reason == "error":
+            self.ended = True
+        elif finish_reason is not None:
+            self.finished.add(index)
+            self.ended = len(self.finished) >= self.choices
+        return self.ended
+
+    def restart(self) -> None:
+        """A new delivery attempt (JetStream) starts the request over."""
+        self.finished.clear()
+        self.ended = False
+
+
+async def frame_payloads(
+    subscription: Subscription, timeout: float
+) -> AsyncGenerator[bytes, None]:
+    """The encoded frames arriving on a reply subscription, probes skipped; `timeout` per frame
+    (nats' TimeoutError past it)."""
+    while True:
+        msg = await subscription.next_msg(timeout=timeout)
+        if is_probe(msg):
+            continue
+        if not msg.data:
+            raise RequestError("internal_error", "an empty message that is not a probe or frame")
+        yield msg.data
+
+
+async def read_frames(
+    subscription: Subscription,
+    codec: Codec,
+    end: RequestEnd,
+    timeout: float,
+    *,
+    attempts: bool = False,
+) -> AsyncGenerator[ResponseFrame, None]:
+    """Frames in `seq` order until the request ends (`end`, the one stop rule).
+
+    `attempts` (JetStream): a frame of a newer delivery attempt restarts the count at seq 0; late
+    frames of an older attempt are skipped. `end.ended` is set before the last frame is yielded,
+    so a caller that stops at that frame does not cancel a request that is over.
+    """
+    attempt = 0
+    expected_seq = 0
+    async for data in frame_payloads(subscription, timeout):
+        frame = codec.decode_frame(data)
+        if attempts:
+            frame_attempt = frame.attempt or 0
+            if frame_attempt < attempt:
+                continue
+            if frame_attempt > attempt:
+                attempt, expected_seq = frame_attempt, 0
+                end.restart()
+        if frame.seq != expected_seq:
+            where = f"attempt {attempt}: " if attempts else ""
+            raise FrameOrderError(f"{where}expected seq {expected_seq}, got {frame.seq}")
+        expected_seq += 1
+        ended = end.saw(frame.index, frame.finish_reason)
+        yield frame
+        if ended:
+            return
+
+
+@dataclass
+class Choice:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class Completion:
+    """All frames of a request folded together (what a non-streaming caller wants)."""
+
+    request_id: str
+    frames: list[ResponseFrame]
+    choices: list[Choice]
+    prompt_log_probs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[TopLogprob] | None] = field(default_factory=list)
+    error: RequestError | None = None
+
+
+def fold(request_id: str, frames: list[ResponseFrame], choices: int) -> Completion:
+    result = Completion(request_id, frames, [Choice(i) for i in range(choices)])
+    for frame in frames:
+        if frame.error:
+            result.error = RequestError(frame.error.code, frame.error.message)
+        if frame.prompt_log_probs:
+            if frame.prompt_position != len(result.prompt_log_probs):
+                raise FrameOrderError("prompt logprob frames out of position order")
+            result.prompt_log_probs += frame.prompt_log_probs
+            result.prompt_top_logprobs += frame.prompt_top_logprobs or []
+        if frame.finish_reason == "error":
+            continue
+        choice = result.choices[frame.index]
+        choice.token_ids += frame.token_ids
+        if frame.log_probs:
+            choice.log_probs += frame.log_probs
+        if frame.top_logprobs:
+            choice.top_logprobs += frame.top_logprobs
+        if frame.finish_reason is not None:
+            choice.finish_reason = frame.finish_reason
+            choice.usage = frame.completion_usage or None
+    return result

