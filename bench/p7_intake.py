@@ -6,9 +6,8 @@ request to the same service core (`worker.service.Worker.accept`) on the same na
 - "plain": the worker's own intake (worker/nats/intake/core.py): a queue subscription whose
   callback builds a Delivery from the message;
 - "micro": a nats-py micro endpoint (`micro.add_service` + `add_endpoint`) whose handler does the
-  same hand-off, answering through `Request.respond` (micro's Request has no public reply
-  subject, so a cancel or a liveness probe could not be bound to it: this side is for measuring
-  only).
+  same hand-off, frames published the same way (this side reads micro's private `_msg.reply`:
+  it exists only to be measured).
 Each side is driven by its own load process (bench.load_process), runs alternate, and the ratio
 is plain ÷ micro per repeat, then the median.
 
@@ -20,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Callable
 
 import nats
 from nats import micro
@@ -37,28 +35,13 @@ from worker.nats.worker import NatsWorker
 from worker.service import Delivery
 
 
-class _MicroReply:
-    """Frames answered through micro's `Request.respond` (no reply subject to bind to)."""
-
-    def __init__(self, request: Request) -> None:
-        self.subject = ""
-        self._request = request
-
-    async def publish(self, data: bytes) -> None:
-        await self._request.respond(data)
-
-    def watch(self, on_gone: Callable[[], None]) -> None:
-        pass
-
-    def release(self) -> None:
-        pass
-
-
 async def _micro_side(worker: NatsWorker, nc: nats.NATS, subject: str) -> micro.Service:
     async def handler(request: Request) -> None:
-        delivery = Delivery(
-            request.data, request.headers, _MicroReply(request), subject, time.monotonic_ns()
-        )
+        # Frames go out as the plain side's do (liveness-gated, to the reply subject), so only the
+        # intake differs. micro's Request has no public reply subject: this private read is
+        # what serving generate as a micro endpoint would need (one reason it is not).
+        reply = worker.reply(request._msg.reply)
+        delivery = Delivery(request.data, request.headers, reply, subject, time.monotonic_ns())
         await worker.accept(delivery)
 
     service = await micro.add_service(nc, name="p7-micro", version="0.0.1")

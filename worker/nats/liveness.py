@@ -95,7 +95,8 @@ class Listener:
 
 @dataclass
 class _Client:
-    listeners: list[Listener] = field(default_factory=list)
+    listeners: dict[int, Listener] = field(default_factory=dict)
+    """By id(): O(1) release however many requests one client has in flight."""
     turn: itertools.count[int] = field(default_factory=itertools.count)
     suspect: bool = False
     """A probe of this client missed: probe each of its requests until none misses."""
@@ -132,16 +133,13 @@ class Liveness:
     def track(self, listener: Listener, on_gone: Callable[[], None]) -> None:
         """Probes `listener` until `untrack`; `on_gone` runs once if its client is declared gone."""
         listener.on_gone = on_gone
-        self._clients.setdefault(listener.key, _Client()).listeners.append(listener)
+        self._clients.setdefault(listener.key, _Client()).listeners[id(listener)] = listener
 
     def untrack(self, listener: Listener) -> None:
         client = self._clients.get(listener.key)
         if client is None:
             return
-        try:
-            client.listeners.remove(listener)
-        except ValueError:
-            pass
+        client.listeners.pop(id(listener), None)
         if not client.listeners:
             del self._clients[listener.key]
         if listener._probe is not None:
@@ -246,7 +244,7 @@ class Liveness:
     def _round(self) -> list[Listener]:
         chosen: list[Listener] = []
         for client in list(self._clients.values()):
-            listeners = client.listeners
+            listeners = list(client.listeners.values())
             if client.suspect:
                 client.suspect = False  # set again by any miss of this round
                 chosen.extend(listeners)
