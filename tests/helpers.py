@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -199,3 +200,35 @@ async def tally(nc: NATS, subject: str, request: GenerateRequest, stream: Tally)
         if frame["finish_reason"] is not None:
             stream.final = frame
     await sub.unsubscribe()
+
+
+# The tiny model's engine flags (fp32 for exact logprobs, eager for a fast start); flags given
+# after them on the same command line win.
+TINY_MODEL_FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager")
+
+
+async def start_cli_worker(
+    nats_url: str,
+    model: Path,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    own_session: bool = False,
+) -> asyncio.subprocess.Process:
+    """`python -m worker` on the tiny model as a subprocess, stdout and stderr piped together;
+    `own_session`: its own process group, so a test can end the worker and its engine at once."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "worker",
+        "--nats-url",
+        nats_url,
+        "--model",
+        str(model),
+        *TINY_MODEL_FLAGS,
+        *flags,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env or subprocess_env(),
+        cwd=ROOT,
+        start_new_session=own_session,
+    )

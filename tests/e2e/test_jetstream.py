@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 import time
 
 import msgspec
@@ -15,7 +14,13 @@ from nats.js import api
 
 from messages.codec import MSGPACK
 from messages.subjects import REPLY_HEADER, Subjects
-from tests.helpers import ROOT, collect, make_request, raw_frames, read_until, subprocess_env
+from tests.helpers import (
+    collect,
+    make_request,
+    raw_frames,
+    read_until,
+    start_cli_worker,
+)
 from worker.client import jetstream_complete, jetstream_generate
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.dev.fakes import AlwaysFailingFakeEngine
@@ -223,32 +228,18 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
 ) -> None:
     subjects = Subjects("jsk", "vllm", "generate")
     settings = JetStreamSettings(ack_wait_s=3.0)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "worker",
+    proc = await start_cli_worker(
+        nats_server.url,
+        tiny_model,
         "--mode",
         "jetstream",
-        "--nats-url",
-        nats_server.url,
         "--namespace",
         "jsk",
         "--js-ack-wait",
         "3",
         "--max-concurrency",
         "4",
-        "--model",
-        str(tiny_model),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=subprocess_env(),
-        cwd=ROOT,
-        start_new_session=True,  # its own process group: the worker and vLLM's engine process
+        own_session=True,  # its own process group: the worker and vLLM's engine process
     )
     lines: list[str] = []
     try:

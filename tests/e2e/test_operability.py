@@ -26,6 +26,7 @@ from tests.helpers import (
     exchange,
     make_request,
     read_until,
+    start_cli_worker,
     subprocess_env,
 )
 from worker.cli import build_parser, engine_args
@@ -215,33 +216,21 @@ async def test_metrics_endpoint_shows_counters_and_histograms(
 async def test_cli_worker_serves_with_engine_args_and_drains_on_sigterm(
     nats_server, tiny_model, client
 ) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "worker",
-        "--nats-url",
+    proc = await start_cli_worker(
         nats_server.url,
+        tiny_model,
         "--namespace",
         "cli",
         "--instance-id",
         "cli1",
-        "--model",
-        str(tiny_model),
-        "--dtype",
-        "float32",
         "--max-model-len",
         "256",
         "--max-logprobs",
         "7",
-        "--enforce-eager",
         "--metrics-port",
         "0",
         "--metrics-host",
         "127.0.0.1",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=subprocess_env(),
-        cwd=ROOT,
     )
     lines: list[str] = []
     try:
@@ -366,29 +355,15 @@ async def test_engine_death_answers_in_flight_and_exits_non_zero(
 ) -> None:
     import psutil
 
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "worker",
-        "--nats-url",
+    proc = await start_cli_worker(
         nats_server.url,
+        tiny_model,
         "--namespace",
         "crash",
         "--instance-id",
         "crash1",
-        "--model",
-        str(tiny_model),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
         "--health-interval",
         "1",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=subprocess_env(),
-        cwd=ROOT,
     )
     lines: list[str] = []
     try:

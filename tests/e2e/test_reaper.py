@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import start_cli_worker
 from worker.engine import reaper
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,26 +244,13 @@ async def test_sigkill_of_the_worker_main_process_kills_engine_core_and_reaper(
 ) -> None:
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "worker",
-        "--nats-url",
+    proc = await start_cli_worker(
         nats_server.url,
+        tiny_model,
         "--namespace",
         "reaper",
-        "--model",
-        str(tiny_model),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
         env=env,
-        cwd=ROOT,
-        start_new_session=True,  # its own process group: the finally below can end all of it
+        own_session=True,  # its own process group: the finally below can end all of it
     )
     lines: list[str] = []
     descendants: list[psutil.Process] = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from worker.client.reader import (
     read_frames,
 )
 
+log = logging.getLogger(__name__)
+
 
 async def _publish_cancel(nc: NATS, cancel_subject: str, request_id: str, inbox: str) -> None:
     """Cancels the request of this id whose frames go to `inbox`: only the publisher knows its
@@ -46,8 +49,12 @@ async def _publish_cancel(nc: NATS, cancel_subject: str, request_id: str, inbox:
     cancel = CancelRequest(request_id=request_id, reply_subject=inbox)
     try:
         await nc.publish(cancel_subject, MSGPACK.encode(cancel))
-    except Exception:  # connection gone: the worker's liveness probe notices instead
-        pass
+    except Exception as error:  # connection gone: the worker's liveness probe notices instead
+        log.info(
+            "cancel of request %s not sent (%r): the worker finds its client gone",
+            request_id,
+            error,
+        )
 
 
 async def stream_frames(

@@ -13,9 +13,7 @@ from typing import Protocol
 
 from messages.frames import FinishReason, TopLogprob
 from messages.request import GenerateRequest
-from worker.errors import WorkerError, describe
-
-__all__ = ["describe"]  # re-exported for the engine adapters
+from worker.errors import WorkerError
 
 
 class InvalidRequest(WorkerError, ValueError):

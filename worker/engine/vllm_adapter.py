@@ -38,9 +38,9 @@ from worker.engine.contract import (
     EngineStep,
     InvalidRequest,
     PromptRows,
-    describe,
 )
 from worker.engine.tokens import TokenTable
+from worker.errors import describe
 from worker.validation import max_new_tokens
 
 try:  # vLLM >= 0.11 raises its own validation error type, which is not a ValueError.
