@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,13 @@ class Option:
         return self.flag.lstrip("-").replace("-", "_")
 
 
+def _at_least_one(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def _servers(value: str) -> list[str]:
     return [url.strip() for url in value.split(",") if url.strip()]
 
@@ -97,6 +106,14 @@ OPTIONS: list[Option] = [
         None,
         "instance_id",
         "this worker's id; it also serves <subject>.<instance-id> (default: random)",
+    ),
+    Option(
+        "--worker-processes",
+        WorkerConfig,
+        "processes",
+        "worker processes over one engine core, each an AsyncLLM client with its own NATS "
+        "connection in the queue group (vLLM's front-end scale-out; needs vLLM 0.32+)",
+        _at_least_one,
     ),
     Option(
         "--max-concurrency",
@@ -256,12 +273,16 @@ def _fields(args: argparse.Namespace, config: type) -> dict[str, Any]:
     }
 
 
-def worker_config(args: argparse.Namespace) -> WorkerConfig:
+def worker_config(args: argparse.Namespace, client_count: int = 1) -> WorkerConfig:
+    """The config of one worker process (one of `client_count` over a shared engine core, whose
+    share of --max-concurrency it takes)."""
     nats = _fields(args, NatsConfig)
     nats["servers"] = _servers(args.nats_url)
     settings = _fields(args, WorkerConfig)
     if args.mode == "jetstream" and settings["max_concurrency"] is None:
         settings["max_concurrency"] = default(JetStreamSettings, "capacity")
+    if settings["max_concurrency"] is not None and client_count > 1:
+        settings["max_concurrency"] = -(-settings["max_concurrency"] // client_count)
     config = WorkerConfig(
         nats=NatsConfig(**nats),
         subjects=Subjects(**_fields(args, Subjects)),
@@ -309,47 +330,113 @@ class Ready:
     metrics_port: int | None
 
 
-async def serve(
-    args: argparse.Namespace,
-    *,
-    on_ready: Callable[[Ready], Awaitable[None]] | None = None,
-    stop: asyncio.Event | None = None,
-) -> int:
-    """Runs the worker until SIGTERM/SIGINT (exit 0 after draining), a dead engine or a dead
-    JetStream intake (exit 1); exit 2 for a configuration it refuses."""
-    from worker.dev.embedded import NatsServer
-    from worker.engine import fast_merge
-    from worker.engine.vllm_adapter import VllmEngine
+def _refused(args: argparse.Namespace) -> bool:
+    if args.dev or not (missing := missing_for_production(args)):
+        return False
+    print(
+        f"vllm-nats-worker: {' and '.join(missing)} required (or --dev for an embedded "
+        "nats-server and the tiny demo model)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
 
-    if not args.dev and (missing := missing_for_production(args)):
-        print(
-            f"vllm-nats-worker: {' and '.join(missing)} required (or --dev for an embedded "
-            "nats-server and the tiny demo model)",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 2
-    # Under load vLLM merges each request's pending DELTA outputs; the worker makes that cheap.
-    fast_merge.install()
-    stop = stop or asyncio.Event()
-    embedded = None
-    if not args.nats_url:  # --dev
-        embedded = NatsServer().start()
+
+@contextlib.contextmanager
+def _nats_for(args: argparse.Namespace) -> Iterator[None]:
+    """--dev without a NATS URL: an embedded nats-server for the worker's lifetime."""
+    from worker.dev.embedded import NatsServer
+
+    if args.nats_url:
+        yield
+        return
+    with NatsServer() as embedded:
         args.nats_url = embedded.url
         print(
             f"--dev: embedded nats-server on {embedded.url} (connect with NATS_URL={embedded.url})",
             flush=True,
         )
-    try:
-        config = worker_config(args)
-        engine = await VllmEngine.start(engine_args(args))
+        yield
+
+
+async def serve(
+    args: argparse.Namespace,
+    *,
+    on_ready: Callable[[Ready], Awaitable[None]] | None = None,
+    stop: asyncio.Event | None = None,
+    client_config: dict[str, Any] | None = None,
+) -> int:
+    """Runs the worker until SIGTERM/SIGINT (exit 0 after draining), a dead engine or a dead
+    JetStream intake (exit 1); exit 2 for a configuration it refuses. With `client_config` it
+    is one of --worker-processes over a shared engine core (`serve_processes`)."""
+    from worker.engine import fast_merge
+    from worker.engine.vllm_adapter import VllmEngine
+
+    if _refused(args):
+        return 2
+    # Under load vLLM merges each request's pending DELTA outputs; the worker makes that cheap.
+    fast_merge.install()
+    stop = stop or asyncio.Event()
+    with _nats_for(args):
+        count = client_config.get("client_count", 1) if client_config else 1
+        config = worker_config(args, count)
+        engine = await VllmEngine.start(engine_args(args), client_config)
         try:
             return await _run(args, config, engine, on_ready, stop)
         finally:
             engine.shutdown()
-    finally:
-        if embedded is not None:
-            embedded.stop()
+
+
+def serve_processes(args: argparse.Namespace) -> int:
+    """--worker-processes N > 1: the engine core once, N worker processes over it (each runs
+    `serve` with its client_config), metrics summed over them on --metrics-port."""
+    from worker.engine import reaper, scaleout
+
+    if _refused(args):
+        return 2
+    try:
+        scaleout.check_supported()
+    except scaleout.ScaleOutUnsupported as error:
+        print(f"vllm-nats-worker: {error}", file=sys.stderr, flush=True)
+        return 2
+    reaper.watch_this_process()
+    args.instance_id = args.instance_id or uuid.uuid4().hex[:12]
+    with _nats_for(args):
+        if args.metrics_port is not None:
+            _serve_summed_metrics(args)
+        timeout = float(args.drain_timeout) + 10.0
+        return scaleout.run(
+            engine_args(args), args, args.worker_processes, _worker_process, timeout
+        )
+
+
+def _serve_summed_metrics(args: argparse.Namespace) -> None:
+    """The processes' metrics, summed (prometheus-client's multiprocess mode, as vLLM's own
+    `--api-server-count` sets it up), on one port served by this parent process."""
+    from prometheus_client import CollectorRegistry, multiprocess
+    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+
+    setup_multiprocess_prometheus()
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    server, _ = start_http_server(args.metrics_port, args.metrics_host, registry=registry)
+    log.info(
+        "metrics of every worker process on http://%s:%d/metrics",
+        args.metrics_host,
+        server.server_port,
+    )
+    print(f"metrics http://{args.metrics_host}:{server.server_port}/metrics", flush=True)
+    args.metrics_port = None  # the processes themselves serve none
+
+
+def _worker_process(
+    listen_address: str, sock: Any, args: argparse.Namespace, client_config: dict[str, Any]
+) -> None:
+    """One of --worker-processes (vLLM's APIServerProcessManager calls it in a fresh process)."""
+    setup_logging(args.worker_log_level)
+    index = client_config["client_index"]
+    args.instance_id = f"{args.instance_id}-{index}"
+    sys.exit(asyncio.run(serve(args, client_config=client_config)))
 
 
 async def _run(
@@ -436,4 +523,6 @@ def setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.worker_log_level)
+    if args.worker_processes > 1:
+        sys.exit(serve_processes(args))
     sys.exit(asyncio.run(serve(args)))

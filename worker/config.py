@@ -116,6 +116,9 @@ class WorkerConfig:
     """Operator cap on stop_conditions.max_tokens (None: the model's context length)."""
     health_interval_s: float = 5.0
     """How often the engine's health is checked; a dead engine ends the worker non-zero."""
+    processes: int = 1
+    """Worker processes over one engine core (worker/engine/scaleout.py), each with its own NATS
+    connection in the same queue group; max_concurrency is the whole worker's, split evenly."""
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,11 @@ class WorkerMetrics:
             "nats_worker_errors", "Error frames sent, by error code.", ["code"], registry=registry
         )
         self.in_flight = Gauge(
-            "nats_worker_in_flight_requests", "Requests being served now.", registry=registry
+            "nats_worker_in_flight_requests",
+            "Requests being served now.",
+            registry=registry,
+            # With --worker-processes N the processes' values are summed.
+            multiprocess_mode="livesum",
         )
         self.generated_tokens = Counter(
             "nats_worker_generated_tokens", "Tokens generated and sent.", registry=registry

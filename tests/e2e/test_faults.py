@@ -542,7 +542,8 @@ async def test_fuzz_the_jetstream_intake_each_gets_invalid_request_and_is_termin
 async def test_jetstream_fuzz_ran_enough_left_nothing_behind_and_still_serves(
     fuzz_queue: FuzzQueue, client
 ) -> None:
-    assert fuzz_queue.invalid >= 300 * 0.9, (fuzz_queue.invalid, fuzz_queue.valid)
+    # About one hostile payload in ten is a valid request by chance (then skipped).
+    assert fuzz_queue.invalid >= 300 * 0.8, (fuzz_queue.invalid, fuzz_queue.valid)
     stream = stream_name(fuzz_queue.subjects, fuzz_queue.settings)
     assert await _settled(client, stream, fuzz_queue.settings.durable) == (0, 0)
     completion, attempts = await jetstream_complete(

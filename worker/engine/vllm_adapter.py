@@ -29,7 +29,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from messages.frames import FinishReason
 from messages.request import GenerateRequest
-from worker.engine import logprobs, reaper
+from worker.engine import logprobs, reaper, scaleout
 from worker.engine.contract import (
     ChoiceDelta,
     EngineDead,
@@ -102,11 +102,19 @@ class VllmEngine:
         self.limits = limits
 
     @classmethod
-    async def start(cls, engine_args: AsyncEngineArgs) -> VllmEngine:
+    async def start(
+        cls, engine_args: AsyncEngineArgs, client_config: dict[str, Any] | None = None
+    ) -> VllmEngine:
+        """Starts an engine, or with `client_config` (worker/engine/scaleout.py) a client of an
+        engine core another process launched."""
         # EngineCore and its workers die with this process (worker/engine/reaper.py).
         reaper.watch_this_process()
-        log.info("starting vLLM engine for model %s", engine_args.model)
-        llm = AsyncLLM.from_engine_args(engine_args)
+        if client_config is None:
+            log.info("starting vLLM engine for model %s", engine_args.model)
+            llm = AsyncLLM.from_engine_args(engine_args)
+        else:
+            log.info("client %s of a shared engine core", client_config.get("client_index"))
+            llm = scaleout.client_llm(engine_args, client_config)
         model_config = llm.model_config
         tokenizer = llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # older vLLM: get_tokenizer() is a coroutine

@@ -1,0 +1,159 @@
+"""--worker-processes N: N worker processes over one vLLM engine core (the real CPU engine),
+started by the CLI as a production worker is."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from messages.subjects import Subjects
+from tests.helpers import make_request, read_until, start_cli_worker
+from worker.client import complete, discover_workers, generate
+
+PROMPT = [1, 300, 301, 302]
+
+
+def _worker_processes(parent: int) -> list[psutil.Process]:
+    """The parent's worker processes: its children other than vLLM's engine core, the reaper
+    and multiprocessing's resource tracker."""
+    found = []
+    for child in psutil.Process(parent).children():
+        command = " ".join(child.cmdline())
+        if "spawn_main" in command and "resource_tracker" not in command:
+            if not child.name().startswith("VLLM::"):
+                found.append(child)
+    return found
+
+
+async def _start(nats_server, tiny_model, namespace: str, lines: list[str]):
+    proc = await start_cli_worker(
+        nats_server.url,
+        tiny_model,
+        "--worker-processes",
+        "2",
+        "--namespace",
+        namespace,
+        "--max-concurrency",
+        "64",
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        own_session=True,
+    )
+    ready = 0
+    deadline = time.monotonic() + 300
+    while ready < 2:
+        await read_until(
+            proc.stdout, r"vllm-nats-worker ready:", lines, deadline - time.monotonic()
+        )
+        ready += 1
+    return proc
+
+
+async def _drain_output(proc, lines: list[str]) -> None:
+    while line := await proc.stdout.readline():
+        lines.append(line.decode(errors="replace"))
+
+
+def _kill_group(proc) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def test_two_processes_share_one_engine_core_and_the_queue_group(
+    nats_server, tiny_model, client
+) -> None:
+    lines: list[str] = []
+    proc = await _start(nats_server, tiny_model, "mp", lines)
+    output = asyncio.create_task(_drain_output(proc, lines))
+    subjects = Subjects("mp", "vllm", "generate")
+    try:
+        workers = await discover_workers(client, subjects.generate, window=1.0)
+        ids = sorted(w.instance_id for w in workers)
+        assert len(ids) == 2 and ids[0].endswith("-0") and ids[1].endswith("-1"), ids
+        assert ids[0][:-2] == ids[1][:-2]  # one worker: one instance id, a suffix per process
+        # --max-concurrency is the whole worker's: split evenly over the processes.
+        assert [w.max_concurrency for w in workers] == [32, 32]
+        assert len(psutil.Process(proc.pid).children()) >= 3  # engine core + 2 processes
+
+        results = await asyncio.gather(
+            *(
+                complete(
+                    client,
+                    make_request(f"mp-{i}", PROMPT, max_tokens=8, logprobs=3),
+                    subject=subjects.generate,
+                )
+                for i in range(16)
+            )
+        )
+        assert [r.choices[0].finish_reason for r in results] == ["length"] * 16
+        assert all(len(r.choices[0].top_logprobs) == 8 for r in results)
+
+        # A cancel (the client leaving early) reaches whichever process serves the request.
+        async for frame in generate(
+            client, make_request("mp-cancel", PROMPT, max_tokens=400), subject=subjects.generate
+        ):
+            if frame.token_ids:
+                break
+
+        # SIGTERM to the parent alone: every process drains (a request in flight finishes),
+        # then the worker exits 0.
+        frames = []
+
+        async def long_request() -> None:
+            async for frame in generate(
+                client, make_request("mp-long", PROMPT, max_tokens=200), subject=subjects.generate
+            ):
+                frames.append(frame)
+
+        running = asyncio.create_task(long_request())
+        while not frames:
+            await asyncio.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(running, 60)
+        assert frames[-1].finish_reason == "length"
+        assert sum(len(f.token_ids) for f in frames) == 200
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        await output
+        text = "".join(lines)
+        assert "request mp-cancel cancelled" in text
+        assert text.count("stopping: draining") == 2
+    finally:
+        _kill_group(proc)
+
+
+async def test_a_dead_worker_process_ends_the_whole_worker_non_zero(
+    nats_server, tiny_model
+) -> None:
+    lines: list[str] = []
+    proc = await _start(nats_server, tiny_model, "mpdead", lines)
+    output = asyncio.create_task(_drain_output(proc, lines))
+    try:
+        children = _worker_processes(proc.pid)
+        assert len(children) == 2, [c.cmdline() for c in children]
+        everything = psutil.Process(proc.pid).children(recursive=True)
+        children[0].kill()
+        assert await asyncio.wait_for(proc.wait(), 60) != 0  # never a half-alive worker
+        gone, alive = psutil.wait_procs(everything, timeout=20)
+        assert alive == [], [p.pid for p in alive]
+        await output
+        assert "died with exit code" in "".join(lines)
+    finally:
+        _kill_group(proc)
+
+
+def test_worker_processes_must_be_at_least_one(capsys) -> None:
+    from worker.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(
+            ["--model", "m", "--nats-url", "nats://x:1", "--worker-processes", "0"]
+        )
+    assert "--worker-processes: must be >= 1, got 0" in capsys.readouterr().err

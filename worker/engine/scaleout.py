@@ -1,0 +1,142 @@
+"""N worker processes over one vLLM engine core, the way `vllm serve --api-server-count N` scales
+its front end, with vLLM's own pieces: the parent binds the engine's ZMQ listeners for N clients,
+launches the engine core once (`launch_core_engines`) and starts N processes with vLLM's
+`APIServerProcessManager`, whose target here is the worker's own client process; each child
+runs an `AsyncLLM` client of the shared core (`client_config`: its addresses, `client_count`,
+`client_index`) and a NATS worker of its own. The parent then waits with vLLM's
+`wait_for_completion_or_failure`: any child or the engine core dying ends the whole worker
+non-zero (the rest are shut down), never a half-alive worker; SIGTERM/SIGINT shut the children
+down (each drains) and then the core.
+
+The launch API differs across the vLLM range this project claims. This module is the one
+place that knows it: vLLM >= 0.32 (`bind_engine_zmq_listeners`, `launch_core_engines` yielding a
+`CoreEngineLaunch`) is supported and tested on CPU; vLLM 0.24's API
+(`get_engine_zmq_addresses`, `launch_core_engines(..., addresses, num_api_servers)` yielding a
+4-tuple) is not wired yet, and any vLLM without the 0.32 API gets a clear error naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ClientTarget = Callable[[str, Any, argparse.Namespace, dict[str, Any]], None]
+"""What each process runs: (listen_address, sock, args, client_config), as vLLM calls it."""
+
+
+class ScaleOutUnsupported(RuntimeError):
+    """This vLLM's launch API is not one this module knows."""
+
+
+def check_supported() -> None:
+    from vllm import __version__
+    from vllm.v1.engine import utils as engine_utils
+
+    if not hasattr(engine_utils, "bind_engine_zmq_listeners"):
+        raise ScaleOutUnsupported(
+            f"--worker-processes > 1 needs vLLM's front-end scale-out API of 0.32+ "
+            f"(bind_engine_zmq_listeners); this is vLLM {__version__}: run one process per "
+            "worker (--worker-processes 1), or several workers"
+        )
+
+
+def client_engine_args(engine_args: Any, client_config: dict[str, Any]) -> Any:
+    """The engine arguments of one client process (vLLM sizes per-client state by them)."""
+    engine_args._api_process_count = client_config.get("client_count", 1)
+    engine_args._api_process_rank = client_config.get("client_index", 0)
+    return engine_args
+
+
+def client_llm(engine_args: Any, client_config: dict[str, Any]) -> Any:
+    """An AsyncLLM client of the shared engine core, from a child's `client_config`."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    config = dict(client_config)
+    count = config.pop("client_count", 1)
+    index = config.pop("client_index", 0)
+    vllm_config = client_engine_args(engine_args, client_config).create_engine_config(
+        UsageContext.OPENAI_API_SERVER
+    )
+    return AsyncLLM.from_vllm_config(
+        vllm_config,
+        disable_log_stats=engine_args.disable_log_stats,
+        client_addresses=config,
+        client_count=count,
+        client_index=index,
+    )
+
+
+def run(
+    engine_args: Any,
+    args: argparse.Namespace,
+    processes: int,
+    target: ClientTarget,
+    shutdown_timeout_s: float,
+) -> int:
+    """Runs the engine core and `processes` client processes until one dies (exit 1) or
+    SIGTERM/SIGINT (exit 0 once every child has drained). Blocks."""
+    check_supported()
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
+    from vllm.v1.executor import Executor
+    from vllm.v1.utils import APIServerProcessManager, wait_for_completion_or_failure
+
+    engine_args._api_process_count = processes
+    engine_args._api_process_rank = -1
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            log.info("signal %d: shutting the worker processes down (each drains)", signum)
+            raise SystemExit
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    manager = engine_manager = coordinator = None
+    try:
+        listeners = bind_engine_zmq_listeners(vllm_config, processes)
+        with launch_core_engines(
+            vllm_config,
+            Executor.get_class(vllm_config),
+            not engine_args.disable_log_stats,
+            listeners.addresses,
+        ) as launch:
+            engine_manager, coordinator = launch.engine_manager, launch.coordinator
+            manager = APIServerProcessManager(
+                listen_address="",
+                sock=None,
+                args=args,
+                num_servers=processes,
+                input_listeners=listeners.inputs,
+                output_listeners=listeners.outputs,
+                target_server_fn=target,
+                stats_update_address=(
+                    coordinator.get_stats_publish_address() if coordinator else None
+                ),
+                tensor_queue=launch.tensor_queue,
+            )
+            launch.watched_frontend_processes = manager.processes
+        wait_for_completion_or_failure(manager, engine_manager, coordinator)
+        return 0
+    except SystemExit:
+        return 0 if stopping else 1
+    except Exception as error:
+        log.error("worker processes: %s", error)
+        return 1
+    finally:
+        if manager is not None:
+            manager.shutdown(timeout=shutdown_timeout_s)
+        if engine_manager is not None:
+            engine_manager.shutdown(timeout=10)
+        if coordinator is not None:
+            coordinator.shutdown(timeout=10)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
