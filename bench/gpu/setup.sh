@@ -14,6 +14,6 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
   nats-server --version
-  python3 -c "import worker.vllm_engine, worker.cli; from vllm.logprobs import FlatLogprobs; print('worker imports ok; FlatLogprobs', sorted(FlatLogprobs.__dataclass_fields__))"
+  python3 -c "import worker.engine.vllm_adapter, worker.cli, worker.engine.scaleout; from vllm.logprobs import FlatLogprobs; print('worker imports ok; FlatLogprobs', sorted(FlatLogprobs.__dataclass_fields__))"
 } 2>&1 | tee "$OUT/setup.txt"
 [ -f /tmp/llama-1b/config.json ] || python3 -m bench.gpu.build_model /tmp/llama-1b 2>&1 | tail -3 | tee -a "$OUT/setup.txt"

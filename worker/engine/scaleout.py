@@ -8,11 +8,14 @@ runs an `AsyncLLM` client of the shared core (`client_config`: its addresses, `c
 non-zero (the rest are shut down), never a half-alive worker; SIGTERM/SIGINT shut the children
 down (each drains) and then the core.
 
-The launch API differs across the vLLM range this project claims. This module is the one
-place that knows it: vLLM >= 0.32 (`bind_engine_zmq_listeners`, `launch_core_engines` yielding a
-`CoreEngineLaunch`) is supported and tested on CPU; vLLM 0.24's API
-(`get_engine_zmq_addresses`, `launch_core_engines(..., addresses, num_api_servers)` yielding a
-4-tuple) is not wired yet, and any vLLM without the 0.32 API gets a clear error naming it.
+The launch API differs across the vLLM range this project claims, and this module is the one
+place that knows it (`_launch`): vLLM 0.32+ binds the listeners in the parent
+(`bind_engine_zmq_listeners`) and `launch_core_engines` yields a `CoreEngineLaunch`; vLLM 0.24
+allocates addresses (`get_engine_zmq_addresses`), `launch_core_engines(..., num_api_servers)`
+yields a 4-tuple, and the children report the endpoints they bound
+(`gather_actual_addresses`). The children's side (`client_llm`) is the same in both. Any other
+launch API gets a clear error naming the vLLM version. The 0.32 path runs in CI on CPU; the 0.24
+path was written from vLLM 0.24.0's source (entrypoints/cli/serve.py `run_multi_api_server`).
 """
 
 from __future__ import annotations
@@ -33,16 +36,23 @@ class ScaleOutUnsupported(RuntimeError):
     """This vLLM's launch API is not one this module knows."""
 
 
-def check_supported() -> None:
+def _api() -> str:
+    """Which launch API this vLLM has: "listeners" (0.32+) or "addresses" (0.24)."""
     from vllm import __version__
     from vllm.v1.engine import utils as engine_utils
 
-    if not hasattr(engine_utils, "bind_engine_zmq_listeners"):
-        raise ScaleOutUnsupported(
-            f"--worker-processes > 1 needs vLLM's front-end scale-out API of 0.32+ "
-            f"(bind_engine_zmq_listeners); this is vLLM {__version__}: run one process per "
-            "worker (--worker-processes 1), or several workers"
-        )
+    if hasattr(engine_utils, "bind_engine_zmq_listeners"):
+        return "listeners"
+    if hasattr(engine_utils, "get_engine_zmq_addresses"):
+        return "addresses"
+    raise ScaleOutUnsupported(
+        f"--worker-processes > 1 knows vLLM's front-end scale-out API of 0.24 and 0.32+; this is "
+        f"vLLM {__version__}, which has neither: run --worker-processes 1, or several workers"
+    )
+
+
+def check_supported() -> None:
+    _api()
 
 
 def client_engine_args(engine_args: Any, client_config: dict[str, Any]) -> Any:
@@ -81,9 +91,8 @@ def run(
 ) -> int:
     """Runs the engine core and `processes` client processes until one dies (exit 1) or
     SIGTERM/SIGINT (exit 0 once every child has drained). Blocks."""
-    check_supported()
     from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
+    from vllm.v1.engine.utils import launch_core_engines
     from vllm.v1.executor import Executor
     from vllm.v1.utils import APIServerProcessManager, wait_for_completion_or_failure
 
@@ -101,29 +110,50 @@ def run(
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     manager = engine_manager = coordinator = None
+    executor_class = Executor.get_class(vllm_config)
+    log_stats = not engine_args.disable_log_stats
     try:
-        listeners = bind_engine_zmq_listeners(vllm_config, processes)
-        with launch_core_engines(
-            vllm_config,
-            Executor.get_class(vllm_config),
-            not engine_args.disable_log_stats,
-            listeners.addresses,
-        ) as launch:
-            engine_manager, coordinator = launch.engine_manager, launch.coordinator
-            manager = APIServerProcessManager(
-                listen_address="",
-                sock=None,
-                args=args,
-                num_servers=processes,
-                input_listeners=listeners.inputs,
-                output_listeners=listeners.outputs,
-                target_server_fn=target,
-                stats_update_address=(
-                    coordinator.get_stats_publish_address() if coordinator else None
-                ),
-                tensor_queue=launch.tensor_queue,
-            )
-            launch.watched_frontend_processes = manager.processes
+        if _api() == "listeners":  # vLLM 0.32+
+            from vllm.v1.engine.utils import bind_engine_zmq_listeners
+
+            listeners = bind_engine_zmq_listeners(vllm_config, processes)
+            with launch_core_engines(
+                vllm_config, executor_class, log_stats, listeners.addresses
+            ) as launch:
+                engine_manager, coordinator = launch.engine_manager, launch.coordinator
+                manager = APIServerProcessManager(
+                    listen_address="",
+                    sock=None,
+                    args=args,
+                    num_servers=processes,
+                    input_listeners=listeners.inputs,
+                    output_listeners=listeners.outputs,
+                    target_server_fn=target,
+                    stats_update_address=_stats_address(coordinator),
+                    tensor_queue=launch.tensor_queue,
+                )
+                launch.watched_frontend_processes = manager.processes
+        else:  # vLLM 0.24
+            from vllm.v1.engine.utils import get_engine_zmq_addresses
+
+            addresses = get_engine_zmq_addresses(vllm_config, processes)
+            with launch_core_engines(
+                vllm_config, executor_class, log_stats, addresses, processes
+            ) as (engine_manager, coordinator, addresses, tensor_queue):
+                manager = APIServerProcessManager(
+                    listen_address="",
+                    sock=None,
+                    args=args,
+                    num_servers=processes,
+                    input_addresses=addresses.inputs,
+                    output_addresses=addresses.outputs,
+                    target_server_fn=target,
+                    stats_update_address=_stats_address(coordinator),
+                    tensor_queue=tensor_queue,
+                )
+                # The children bind their own endpoints; the engine's handshake (on `with`
+                # exit) needs the ones they got.
+                addresses.inputs, addresses.outputs = manager.gather_actual_addresses()
         wait_for_completion_or_failure(manager, engine_manager, coordinator)
         return 0
     except SystemExit:
@@ -140,3 +170,7 @@ def run(
             coordinator.shutdown(timeout=10)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _stats_address(coordinator: Any) -> str | None:
+    return coordinator.get_stats_publish_address() if coordinator else None
