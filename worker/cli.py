@@ -411,14 +411,10 @@ def serve_processes(args: argparse.Namespace) -> int:
 
 
 def _serve_summed_metrics(args: argparse.Namespace) -> None:
-    """The processes' metrics, summed (prometheus-client's multiprocess mode, as vLLM's own
-    `--api-server-count` sets it up), on one port served by this parent process."""
-    from prometheus_client import CollectorRegistry, multiprocess
-    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+    """The processes' metrics, summed, on one port served by this parent process."""
+    from worker.engine import scaleout
 
-    setup_multiprocess_prometheus()
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+    registry = scaleout.summed_metrics_registry()
     server, _ = start_http_server(args.metrics_port, args.metrics_host, registry=registry)
     log.info(
         "metrics of every worker process on http://%s:%d/metrics",

@@ -174,3 +174,16 @@ def run(
 
 def _stats_address(coordinator: Any) -> str | None:
     return coordinator.get_stats_publish_address() if coordinator else None
+
+
+def summed_metrics_registry() -> Any:
+    """A registry that sums the metrics of every process started after this call
+    (prometheus-client's multiprocess mode, set up by vLLM's own helper as `--api-server-count`
+    does: it points PROMETHEUS_MULTIPROC_DIR at a temporary directory)."""
+    from prometheus_client import CollectorRegistry, multiprocess
+    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+
+    setup_multiprocess_prometheus()
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
