@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from messages.codec import JSON, MSGPACK
@@ -106,3 +107,19 @@ def locally_valid(data: bytes, as_json: bool, limits) -> bool:
     return sampling.temperature is None or sampling.temperature < 1e6
 
 
+def fuzz_settings(examples: int) -> settings:
+    """The fuzz tests' hypothesis settings: the same payloads every run (a failure reproduces),
+    no shrinking (each step is a round trip to the worker; the failing payload is reported as
+    is), fixtures shared across examples."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.function_scoped_fixture,
+        ],
+    )

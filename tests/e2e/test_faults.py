@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import msgspec
 import nats
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from prometheus_client import CollectorRegistry
 
 from messages.codec import MSGPACK
 from messages.request import CancelRequest
 from messages.subjects import REPLY_HEADER, Subjects
-from tests.fuzzing import hostile_payloads, locally_valid
+from tests.fuzzing import fuzz_settings, hostile_payloads, locally_valid
 from tests.helpers import Tally, frame_maps, make_request, raw_frames, tally
 from worker.client import is_probe, jetstream_complete
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
@@ -509,18 +509,7 @@ async def fuzz_queue(engine, nats_server):
     await nc.close()
 
 
-@settings(
-    max_examples=300,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,
-    ],
-)
+@fuzz_settings(300)
 @given(case=hostile_payloads())
 async def test_fuzz_the_jetstream_intake_each_gets_invalid_request_and_is_terminated(
     fuzz_queue: FuzzQueue, client, engine, case

@@ -13,13 +13,13 @@ import msgspec
 import nats
 import nats.errors
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from prometheus_client import REGISTRY
 
 from messages.codec import MSGPACK
 from messages.request import CancelRequest
 from messages.subjects import Subjects
-from tests.fuzzing import hostile_payloads, locally_valid
+from tests.fuzzing import fuzz_settings, hostile_payloads, locally_valid
 from tests.helpers import TEST_SUBJECTS, exchange, frame_maps, make_request
 from worker.client import complete, generate
 from worker.config import NatsConfig, WorkerConfig
@@ -245,19 +245,7 @@ def fuzz_seen() -> dict[str, int]:
 
 
 
-@settings(
-    max_examples=2000,
-    deadline=None,
-    derandomize=True,  # the same 2,000 payloads every run: a failure reproduces
-    database=None,
-    # No shrinking: each step is a round trip to the worker; the failing payload is reported as is.
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,
-    ],
-)
+@fuzz_settings(2000)
 @given(case=hostile_payloads())
 async def test_fuzz_hostile_payloads_each_get_an_error_frame(
     worker, client, engine, fuzz_seen, case

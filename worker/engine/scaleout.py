@@ -112,6 +112,11 @@ def run(
     manager = engine_manager = coordinator = None
     executor_class = Executor.get_class(vllm_config)
     log_stats = not engine_args.disable_log_stats
+    # What both launch APIs give vLLM's process manager alike: no HTTP listener, the worker's
+    # own process function.
+    common: dict[str, Any] = dict(
+        listen_address="", sock=None, args=args, num_servers=processes, target_server_fn=target
+    )
     try:
         if _api() == "listeners":  # vLLM 0.32+
             from vllm.v1.engine.utils import bind_engine_zmq_listeners
@@ -122,13 +127,9 @@ def run(
             ) as launch:
                 engine_manager, coordinator = launch.engine_manager, launch.coordinator
                 manager = APIServerProcessManager(
-                    listen_address="",
-                    sock=None,
-                    args=args,
-                    num_servers=processes,
+                    **common,
                     input_listeners=listeners.inputs,
                     output_listeners=listeners.outputs,
-                    target_server_fn=target,
                     stats_update_address=_stats_address(coordinator),
                     tensor_queue=launch.tensor_queue,
                 )
@@ -141,13 +142,9 @@ def run(
                 vllm_config, executor_class, log_stats, addresses, processes
             ) as (engine_manager, coordinator, addresses, tensor_queue):
                 manager = APIServerProcessManager(
-                    listen_address="",
-                    sock=None,
-                    args=args,
-                    num_servers=processes,
+                    **common,
                     input_addresses=addresses.inputs,
                     output_addresses=addresses.outputs,
-                    target_server_fn=target,
                     stats_update_address=_stats_address(coordinator),
                     tensor_queue=tensor_queue,
                 )

@@ -8,6 +8,7 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
 from worker.config import NatsConfig
 
@@ -57,3 +58,13 @@ async def connect(config: NatsConfig) -> NATS:
     where = nc.connected_url.netloc if nc.connected_url else "?"
     log.info("nats: connected to %s (max_payload %d)", where, nc.max_payload)
     return nc
+
+
+async def unsubscribe_all(subscriptions: list[Subscription]) -> None:
+    """Unsubscribes each; one that fails (the connection is closing anyway) does not stop the
+    rest."""
+    for subscription in subscriptions:
+        try:
+            await subscription.unsubscribe()
+        except Exception as error:
+            log.debug("unsubscribe of %s failed: %r", subscription.subject, error)

@@ -35,6 +35,7 @@ from nats.micro.service import (
 
 from messages.subjects import SERVICE_NAME
 from worker import __version__
+from worker.nats.connection import unsubscribe_all
 from worker.service import SubjectStats
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,7 @@ class Discovery:
     async def stop(self) -> None:
         """Stops answering: a draining worker is no longer discovered."""
         subscriptions, self._subscriptions = self._subscriptions, []
-        for subscription in subscriptions:
-            try:
-                await subscription.unsubscribe()
-            except Exception as error:  # the connection is closing anyway
-                log.debug("discovery unsubscribe failed: %r", error)
+        await unsubscribe_all(subscriptions)
 
     async def _respond(self, msg: Msg, body: dict[str, Any]) -> None:
         if msg.reply:

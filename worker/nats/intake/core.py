@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from worker.errors import describe
+from worker.nats.connection import unsubscribe_all
 from worker.nats.liveness import Liveness, NatsReply
 from worker.service import Delivery, Worker
 
@@ -41,11 +42,7 @@ class CoreIntake:
 
     async def stop(self) -> None:
         subscriptions, self._subscriptions = self._subscriptions, []
-        for subscription in subscriptions:
-            try:
-                await subscription.unsubscribe()
-            except Exception as error:  # the connection is closing anyway
-                log.debug("unsubscribe of %s failed: %r", subscription.subject, error)
+        await unsubscribe_all(subscriptions)
 
     async def _take(self, msg: Msg) -> None:
         arrived = time.monotonic_ns()
