@@ -157,3 +157,59 @@ def test_worker_processes_must_be_at_least_one(capsys) -> None:
             ["--model", "m", "--nats-url", "nats://x:1", "--worker-processes", "0"]
         )
     assert "--worker-processes: must be >= 1, got 0" in capsys.readouterr().err
+
+
+async def test_two_processes_pull_one_jetstream_work_queue(nats_server, tiny_model, client) -> None:
+    """--mode jetstream with --worker-processes 2: both processes pull the shared durable
+    consumer, each up to its share of --max-concurrency, and every queued request is answered
+    once and acked."""
+    from worker.client import jetstream_complete
+    from worker.config import JetStreamSettings
+    from worker.nats.intake.jetstream import stream_name
+
+    lines: list[str] = []
+    proc = await start_cli_worker(
+        nats_server.url,
+        tiny_model,
+        "--worker-processes",
+        "2",
+        "--mode",
+        "jetstream",
+        "--namespace",
+        "mpjs",
+        "--max-concurrency",
+        "8",
+        own_session=True,
+    )
+    subjects = Subjects("mpjs", "vllm", "generate")
+    try:
+        deadline = time.monotonic() + 300
+        for _ in range(2):
+            left = deadline - time.monotonic()
+            await read_until(proc.stdout, r"vllm-nats-worker ready:.*\(jetstream\)", lines, left)
+        output = asyncio.create_task(_drain_output(proc, lines))
+        results = await asyncio.gather(
+            *(
+                jetstream_complete(
+                    client, make_request(f"mpjs-{i}", PROMPT, max_tokens=16), subjects=subjects
+                )
+                for i in range(12)
+            )
+        )
+        assert [r.choices[0].finish_reason for r, _ in results] == ["length"] * 12
+        assert all(attempts == [1] for _, attempts in results)
+        js = client.jetstream()
+        name = stream_name(subjects, JetStreamSettings())
+        for _ in range(50):
+            state = (await js.stream_info(name)).state
+            if state.messages == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert state.messages == 0  # every request acked
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        await output
+        served = [line for line in lines if "request mpjs-" in line and " length " in line]
+        assert len(served) == 12
+    finally:
+        _kill_group(proc)
