@@ -48,7 +48,7 @@ async def _start(nats_server, tiny_model, namespace: str, lines: list[str]):
         own_session=True,
     )
     ready = 0
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600  # an engine core and two clients starting on 2 cores
     while ready < 2:
         await read_until(
             proc.stdout, r"vllm-nats-worker ready:", lines, deadline - time.monotonic()
@@ -183,7 +183,7 @@ async def test_two_processes_pull_one_jetstream_work_queue(nats_server, tiny_mod
     )
     subjects = Subjects("mpjs", "vllm", "generate")
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600  # an engine core and two clients starting on 2 cores
         for _ in range(2):
             left = deadline - time.monotonic()
             await read_until(proc.stdout, r"vllm-nats-worker ready:.*\(jetstream\)", lines, left)
