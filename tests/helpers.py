@@ -66,7 +66,7 @@ async def raw_frames(
             return
 
 
-async def frame_maps(
+async def request_frames(
     nc: NATS,
     subject: str,
     payload: bytes,
@@ -76,24 +76,31 @@ async def frame_maps(
     timeout: float = 60.0,
     inbox: str | None = None,
     jetstream: bool = False,
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[bytes]:
     """Publishes one request (core, or to a JetStream work queue with the Reply-To header) and
-    yields its frames decoded as maps, so tests can spell the wire's field names out."""
+    yields its encoded frames until it ends (`raw_frames`); unsubscribes when done."""
     inbox = inbox or nc.new_inbox()
     subscription = await nc.subscribe(inbox)
     headers = {"Content-Type": "application/json"} if json else {}
-    decode = msgspec.json.decode if json else msgspec.msgpack.decode
     try:
         if jetstream:
             headers[REPLY_HEADER] = inbox
             await nc.jetstream().publish(subject, payload, headers=headers)
         else:
             await nc.publish(subject, payload, reply=inbox, headers=headers or None)
-        frames = raw_frames(subscription, json=json, choices=choices, timeout=timeout)
-        async for data in frames:
-            yield decode(data)
+        async for data in raw_frames(subscription, json=json, choices=choices, timeout=timeout):
+            yield data
     finally:
         await subscription.unsubscribe()
+
+
+async def frame_maps(
+    nc: NATS, subject: str, payload: bytes, *, json: bool = False, **options: Any
+) -> AsyncIterator[dict[str, Any]]:
+    """`request_frames` decoded as maps, so tests can spell the wire's field names out."""
+    decode = msgspec.json.decode if json else msgspec.msgpack.decode
+    async for data in request_frames(nc, subject, payload, json=json, **options):
+        yield decode(data)
 
 
 async def exchange(
@@ -106,19 +113,8 @@ async def exchange(
     timeout: float = 60.0,
 ) -> list[bytes]:
     """Raw frames of one request until every choice ended or an error frame came."""
-    inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox)
-    headers = {"Content-Type": "application/json"} if json else None
-    try:
-        await nc.publish(subject, payload, reply=inbox, headers=headers)
-        return [
-            data
-            async for data in raw_frames(
-                subscription, json=json, choices=choices, timeout=timeout
-            )
-        ]
-    finally:
-        await subscription.unsubscribe()
+    frames = request_frames(nc, subject, payload, json=json, choices=choices, timeout=timeout)
+    return [data async for data in frames]
 
 
 def check_row(
