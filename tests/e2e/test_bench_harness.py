@@ -29,5 +29,3 @@ async def test_p1_sides_generate_the_same_number_of_tokens(engine, worker, clien
         assert sender.frames >= 8 * 12  # at least one frame per token step was read
     finally:
         await sender.stop()
-
-

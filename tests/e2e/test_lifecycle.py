@@ -238,11 +238,11 @@ async def test_drain_lets_requests_finish_then_ends_the_rest(extra_worker, clien
 
 # --- fuzzing: hostile payloads, each must get exactly one invalid_request error frame ---
 
+
 @pytest.fixture(scope="module")
 def fuzz_seen() -> dict[str, int]:
     """How many fuzzed payloads were invalid (sent) and valid (skipped), for the check after."""
     return {"invalid": 0, "valid": 0}
-
 
 
 @fuzz_settings(2000)
@@ -506,5 +506,3 @@ async def test_a_handler_failure_is_an_internal_error_frame_and_the_worker_serve
         client, make_request("y", PROMPT, max_tokens=2), subject=subjects.generate
     )
     assert after.choices[0].finish_reason == "length"
-
-

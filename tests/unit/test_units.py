@@ -37,15 +37,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_error_code_has_its_properties_spelled_out() -> None:
-    assert set(ERRORS) == set(ERROR_CODES) == {
-        "invalid_request",
-        "engine_error",
-        "overloaded",
-        "worker_shutdown",
-        "internal_error",
-        "deadline_exceeded",
-        "client_gone",
-    }
+    assert (
+        set(ERRORS)
+        == set(ERROR_CODES)
+        == {
+            "invalid_request",
+            "engine_error",
+            "overloaded",
+            "worker_shutdown",
+            "internal_error",
+            "deadline_exceeded",
+            "client_gone",
+        }
+    )
     assert {c for c in ERROR_CODES if is_retryable(c)} == {
         "engine_error",
         "overloaded",

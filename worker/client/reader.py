@@ -58,9 +58,7 @@ class RequestEnd:
         self.ended = False
 
 
-async def frame_payloads(
-    subscription: Subscription, timeout: float
-) -> AsyncGenerator[bytes, None]:
+async def frame_payloads(subscription: Subscription, timeout: float) -> AsyncGenerator[bytes, None]:
     """The encoded frames arriving on a reply subscription, probes skipped; `timeout` per frame
     (nats' TimeoutError past it)."""
     while True:

@@ -14,7 +14,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m worker.frontend",
         description="OpenAI-compatible HTTP frontend for vLLM NATS workers.",
     )
-    parser.add_argument("--nats-url", default=environment().get("nats_url", "nats://127.0.0.1:4222"))
+    parser.add_argument(
+        "--nats-url", default=environment().get("nats_url", "nats://127.0.0.1:4222")
+    )
     parser.add_argument(
         "--model", required=True, help="the model's directory (its tokenizer is loaded)"
     )

@@ -123,8 +123,7 @@ class Discovery:
                     num_requests=stats.num_requests,
                     num_errors=stats.num_errors,
                     processing_time=stats.processing_time_ns,
-                    average_processing_time=stats.processing_time_ns
-                    // max(stats.num_requests, 1),
+                    average_processing_time=stats.processing_time_ns // max(stats.num_requests, 1),
                     last_error=stats.last_error,
                     data=data,
                 )

@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 class JetStreamConfigError(RuntimeError):
     """An existing stream or consumer is configured incompatibly with this worker."""
 
