@@ -134,9 +134,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 rows,
             )
         )
-        print(
-            f"{args.requests_per_stream} one-token requests per stream, {args.repeats} repeats"
-        )
+        print(f"{args.requests_per_stream} one-token requests per stream, {args.repeats} repeats")
         print("wrote", write_json(args.name, {"settings": vars(args), "results": results}))
         for load in loads.values():
             await load.stop()
