@@ -147,13 +147,17 @@ def subprocess_env() -> dict[str, str]:
 async def read_until(stream, pattern: str, lines: list[str], timeout: float) -> re.Match:
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
-        line = await asyncio.wait_for(stream.readline(), left)
+        try:
+            line = await asyncio.wait_for(stream.readline(), left)
+        except asyncio.TimeoutError:
+            break
         if not line:
             break
         lines.append(line.decode(errors="replace"))
         if match := re.search(pattern, lines[-1]):
             return match
-    raise AssertionError(f"no {pattern!r} in output:\n{''.join(lines[-60:])}")
+    waited = timeout - max(0.0, deadline - time.monotonic())
+    raise AssertionError(f"no {pattern!r} in output after {waited:.0f} s:\n{''.join(lines[-60:])}")
 
 
 async def collect(stream, lines: list[str]) -> None:

@@ -23,7 +23,7 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from prometheus_client import REGISTRY, start_http_server
 
@@ -330,14 +330,22 @@ class Ready:
     metrics_port: int | None
 
 
+def _say(line: str, stream: IO[str] | None = None) -> None:
+    """One console line in one write: the processes of `--worker-processes N` share stdout, and
+    a pipe keeps writes of up to PIPE_BUF (4096) bytes whole, where print's separate write of the
+    newline (unbuffered output, PYTHONUNBUFFERED) let two processes' lines run together."""
+    stream = stream or sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def _refused(args: argparse.Namespace) -> bool:
     if args.dev or not (missing := missing_for_production(args)):
         return False
-    print(
+    _say(
         f"vllm-nats-worker: {' and '.join(missing)} required (or --dev for an embedded "
         "nats-server and the tiny demo model)",
-        file=sys.stderr,
-        flush=True,
+        sys.stderr,
     )
     return True
 
@@ -352,10 +360,8 @@ def _nats_for(args: argparse.Namespace) -> Iterator[None]:
         return
     with NatsServer() as embedded:
         args.nats_url = embedded.url
-        print(
-            f"--dev: embedded nats-server on {embedded.url} (connect with NATS_URL={embedded.url})",
-            flush=True,
-        )
+        url = embedded.url
+        _say(f"--dev: embedded nats-server on {url} (connect with NATS_URL={url})")
         yield
 
 
@@ -397,7 +403,7 @@ def serve_processes(args: argparse.Namespace) -> int:
     try:
         scaleout.check_supported()
     except scaleout.ScaleOutUnsupported as error:
-        print(f"vllm-nats-worker: {error}", file=sys.stderr, flush=True)
+        _say(f"vllm-nats-worker: {error}", sys.stderr)
         return 2
     reaper.watch_this_process()
     args.instance_id = args.instance_id or uuid.uuid4().hex[:12]
@@ -421,7 +427,7 @@ def _serve_summed_metrics(args: argparse.Namespace) -> None:
         args.metrics_host,
         server.server_port,
     )
-    print(f"metrics http://{args.metrics_host}:{server.server_port}/metrics", flush=True)
+    _say(f"metrics http://{args.metrics_host}:{server.server_port}/metrics")
     args.metrics_port = None  # the processes themselves serve none
 
 
@@ -462,7 +468,7 @@ async def _run(
         try:
             await intake.start()
         except JetStreamConfigError as error:
-            print(f"vllm-nats-worker: refusing to start: {error}", file=sys.stderr, flush=True)
+            _say(f"vllm-nats-worker: refusing to start: {error}", sys.stderr)
             await worker.stop()
             await nc.drain()
             return 2
@@ -472,11 +478,10 @@ async def _run(
     health = asyncio.create_task(worker.watch_engine())
     ready = Ready(config.nats.servers[0], config.subjects, config.instance_id, metrics_port)
     serving = config.subjects.queue + " (jetstream)" if intake else config.subjects.generate
-    print(
+    _say(
         f"vllm-nats-worker ready: model {engine.limits.model} on {serving} "
         f"(instance {config.instance_id}) via {ready.nats_url}"
-        + (f", metrics http://{args.metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
-        flush=True,
+        + (f", metrics http://{args.metrics_host}:{metrics_port}/metrics" if metrics_port else "")
     )
     try:
         if on_ready is not None:

@@ -247,6 +247,8 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         rest = asyncio.create_task(collect(proc.stdout, lines))
         seen: dict[str, list[int]] = {}
         first_frames = asyncio.Event()
+        killed = asyncio.Event()
+        ends: list[tuple] = []  # (request_id, attempt, index, finish_reason): a failure's message
 
         async def one(i: int):
             request_id = f"kill-{i}"
@@ -255,26 +257,36 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
             )
             frames = []
             async for frame in jetstream_generate(client, request, subjects=subjects, timeout=60):
-                seen.setdefault(request_id, [])
-                if frame.attempt not in seen[request_id]:
+                if frame.attempt not in seen.setdefault(request_id, []):
                     seen[request_id].append(frame.attempt)
                     frames = []  # the new attempt replaces what the old one sent
                 frames.append(frame)
+                if frame.finish_reason is not None:
+                    ends.append((request_id, frame.attempt, frame.index, frame.finish_reason))
                 if len(seen) == 4:
                     first_frames.set()
+                if not killed.is_set():
+                    # Read no further until the kill: a reader that drains buffered frames
+                    # without yielding would delay it past the end of a stream on a slow host.
+                    await killed.wait()
             return frames
 
         tasks = [asyncio.create_task(one(i)) for i in range(4)]
-        await asyncio.wait_for(first_frames.wait(), 60)
+        await asyncio.wait_for(first_frames.wait(), 120)
         # The host dies mid-generation (nothing acked): every process of the group, since
-        # vLLM's engine process outlives a killed parent.
+        # vLLM's engine process outlives a killed parent. Stopped first, so that the stream
+        # shows what it had acked at the moment of death.
+        os.killpg(proc.pid, signal.SIGSTOP)
+        _, consumer = await stream_state(client, subjects, settings)
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+        killed.set()
         rest.cancel()
+        assert consumer.num_ack_pending == 4, "a stream ended before the kill"
         await js_workers(engine, subjects, settings)  # the survivor
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         for i, frames in enumerate(results):
-            assert seen[f"kill-{i}"] == [1, 2], seen
+            assert seen[f"kill-{i}"] == [1, 2], (seen, ends, "".join(lines[-40:]))
             tokens = {c: 0 for c in range(8)}
             finals = {}
             for frame in frames:

@@ -181,7 +181,9 @@ class JetStreamIntake:
                     batch=self.capacity - self.worker.in_flight,
                     timeout=self.settings.fetch_timeout_s,
                 )
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                # Nothing queued. nats-py raises asyncio's own TimeoutError too when the pull's
+                # reply is slow (seen on a loaded host): the same empty fetch, not a failure.
                 continue
             except Exception as error:  # connection trouble: nats-py reconnects; try again
                 if self._stopping:
