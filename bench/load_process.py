@@ -2,10 +2,13 @@
 share the worker's event loop (or its core), as a real frontend would not.
 
 The parent sends a run's settings as a NATS request to `<control>`; this process runs
-`bench.load.run` with a `NatsSender` against the worker and answers with the RunResult. Prompts
-are rebuilt from (count, length, vocab, seed), so both processes use the same ones.
+`bench.load.run` with a `NatsSender` against the worker (or, with `--openai-url`, an
+`OpenAISender` against an OpenAI-compatible server such as `vllm serve`) and answers with the
+RunResult. Prompts are rebuilt from (count, length, vocab, seed), so both processes use the same
+ones.
 
-    python -m bench.load_process --nats-url URL --subject SUBJECT --control SUBJECT
+    python -m bench.load_process --nats-url URL --control SUBJECT
+        (--subject SUBJECT | --openai-url http://HOST:PORT/v1 --model NAME)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import msgspec
 import nats
 
-from bench.load import NatsSender, RunResult, prompts, run
+from bench.load import NatsSender, OpenAISender, RunResult, prompts, run
 from worker.nats.compat import flush_ordered
 
 
@@ -42,10 +45,21 @@ class RunAnswer(msgspec.Struct):
     frames: int
 
 
-async def serve(nats_url: str, subject: str, control: str) -> None:
+async def serve(nats_url: str, subject: str, control: str, openai: tuple[str, str] | None) -> None:
     nc = await nats.connect(nats_url)
-    sender = NatsSender(nc, subject)
-    await sender.start()
+    http = None
+    sender: NatsSender | OpenAISender
+    if openai is None:
+        sender = NatsSender(nc, subject)
+        await sender.start()
+    else:
+        import aiohttp
+
+        # No connection cap (aiohttp's default of 100 would cap the server's concurrency).
+        http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(600)
+        )
+        sender = OpenAISender(http, *openai)
     done = asyncio.Event()
 
     async def on_run(msg) -> None:
@@ -54,7 +68,7 @@ async def serve(nats_url: str, subject: str, control: str) -> None:
             await msg.respond(b"")
             return
         spec = msgspec.json.decode(msg.data, type=RunSpec)
-        before = sender.frames
+        before = getattr(sender, "frames", 0)
         result = await run(
             sender,
             prompts(spec.prompt_count, spec.prompt_len, spec.vocab),
@@ -63,14 +77,18 @@ async def serve(nats_url: str, subject: str, control: str) -> None:
             max_tokens=spec.max_tokens,
             logprobs=spec.logprobs,
         )
-        answer = RunAnswer(result.wall_s, result.tokens, result.ttft_s, sender.frames - before)
+        frames = getattr(sender, "frames", 0) - before
+        answer = RunAnswer(result.wall_s, result.tokens, result.ttft_s, frames)
         await msg.respond(msgspec.json.encode(answer))
 
     await nc.subscribe(control, cb=on_run)
     await flush_ordered(nc)
     print("ready", flush=True)
     await done.wait()
-    await sender.stop()
+    if isinstance(sender, NatsSender):
+        await sender.stop()
+    if http is not None:
+        await http.close()
     await nc.drain()
 
 
@@ -80,13 +98,19 @@ _LOAD_PROCESSES = itertools.count()
 class LoadProcess:
     """The parent's handle: `await load.run(spec)` → RunResult measured in the child."""
 
-    def __init__(self, nc, nats_url: str, subject: str) -> None:
+    def __init__(
+        self, nc, nats_url: str, subject: str, openai: tuple[str, str] | None = None
+    ) -> None:
+        """`openai`: (base URL, model) to load an OpenAI-compatible server instead of the
+        worker (the control channel stays on NATS)."""
         self.nc = nc
         self.control = f"_bench.control.{os.getpid()}.{next(_LOAD_PROCESSES)}"
         self._argv = [
             sys.executable, "-m", "bench.load_process",
             "--nats-url", nats_url, "--subject", subject, "--control", self.control,
         ]  # fmt: skip
+        if openai is not None:
+            self._argv += ["--openai-url", openai[0], "--model", openai[1]]
         self._process: subprocess.Popen[str] | None = None
 
     def start(self) -> LoadProcess:
@@ -116,8 +140,11 @@ def main() -> None:
     parser.add_argument("--nats-url", required=True)
     parser.add_argument("--subject", required=True)
     parser.add_argument("--control", required=True)
+    parser.add_argument("--openai-url", help="load this OpenAI-compatible server instead")
+    parser.add_argument("--model", help="the model name the OpenAI server serves")
     args = parser.parse_args()
-    asyncio.run(serve(args.nats_url, args.subject, args.control))
+    openai = (args.openai_url, args.model) if args.openai_url else None
+    asyncio.run(serve(args.nats_url, args.subject, args.control, openai))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """P8 worker processes: one running worker (any `--worker-processes N`) driven over NATS from a
 load process of its own (bench.load_process), at one concurrency, logprobs off/5/20.
 
-The GPU script (bench/gpu/g16_runs.sh) starts the worker with N = 1, 2, 4 in turn, runs this
-against each and then `--compare` to print the ratios to N = 1 from the JSON files.
+The GPU script (bench/gpu/g16_runs.sh) runs the engine's ceiling (bench.ceiling), vLLM's own
+server (`vllm serve --api-server-count 4`, loaded by the same load process over HTTP) and the
+worker with N = 1, 2, 4, one at a time, and `--compare` prints the ratios from the JSON files.
 
     python -m bench.p8_processes --nats-url URL --label n2 [--concurrency 256]
         [--logprobs off,5,20] [--max-tokens 128] [--requests-per-stream 2] [--repeats 3]
         [--vocab 32000]
-    python -m bench.p8_processes --compare n1,n2,n4
+    python -m bench.p8_processes --label serve4 --openai-url http://127.0.0.1:8000/v1 --model M
+    python -m bench.p8_processes --compare serve4,n1,n2,n4 --to ceiling,serve4
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from worker.client import wait_for_worker
 
 async def measure(args: argparse.Namespace) -> None:
     client = await nats.connect(args.nats_url)
-    if not await wait_for_worker(client, 600):
+    openai = (args.openai_url, args.model) if args.openai_url else None
+    if openai is None and not await wait_for_worker(client, 600):
         raise SystemExit(f"no worker answers on {args.nats_url}")
-    load = LoadProcess(client, args.nats_url, args.subject).start()
+    load = LoadProcess(client, args.nats_url, args.subject, openai).start()
     results = []
     for level in args.logprobs.split(","):
         logprobs = None if level == "off" else int(level)
@@ -64,43 +67,37 @@ async def measure(args: argparse.Namespace) -> None:
     write_json(f"p8_{args.label}", {"settings": vars(args), "results": results})
 
 
-def compare(labels: list[str]) -> None:
+def compare(labels: list[str], baselines: list[str]) -> None:
+    """Every label's tok/s and TTFT p50 with its ratio to each baseline (a baseline without
+    TTFT, the offline ceiling, gets none)."""
     data = {
         label: {
             r["logprobs"]: r
             for r in json.loads((OUT_DIR / f"p8_{label}.json").read_text())["results"]
         }
-        for label in labels
+        for label in dict.fromkeys(labels + baselines)
     }
-    base = data[labels[0]]
+
+    def ratio(value: float | None, base: float | None) -> str:
+        return "–" if value is None or not base else f"{value / base:.2f}"
+
     rows = []
     for label in labels:
         for level, r in data[label].items():
-            rows.append(
-                [
-                    label,
-                    level,
-                    r["tokens_per_s"],
-                    f"{min(r['tokens_per_s_runs']):,.0f}–{max(r['tokens_per_s_runs']):,.0f}",
-                    r["tokens_per_s"] / base[level]["tokens_per_s"],
-                    r["ttft_p50_ms"],
-                    r["ttft_p50_ms"] / base[level]["ttft_p50_ms"],
-                ]
-            )
-    print(
-        table(
-            [
-                "worker",
-                "logprobs",
-                "tok/s",
-                "range",
-                f"÷ {labels[0]}",
-                "TTFT p50 ms",
-                f"TTFT ÷ {labels[0]}",
-            ],
-            rows,
-        )
-    )
+            row = [
+                label,
+                level,
+                r["tokens_per_s"],
+                f"{min(r['tokens_per_s_runs']):,.0f}–{max(r['tokens_per_s_runs']):,.0f}",
+            ]
+            row += [ratio(r["tokens_per_s"], data[b][level]["tokens_per_s"]) for b in baselines]
+            row.append("–" if r["ttft_p50_ms"] is None else f"{r['ttft_p50_ms']:.0f}")
+            row += [ratio(r["ttft_p50_ms"], data[b][level]["ttft_p50_ms"]) for b in baselines]
+            rows.append(row)
+    header = ["side", "logprobs", "tok/s", "range"]
+    header += [f"÷ {b}" for b in baselines] + ["TTFT p50 ms"]
+    header += [f"TTFT ÷ {b}" for b in baselines]
+    print(table(header, rows))
 
 
 def main() -> None:
@@ -114,10 +111,16 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--compare", help="comma-separated labels: print ratios to the first")
+    parser.add_argument("--openai-url", help="load this OpenAI server (vllm serve) instead")
+    parser.add_argument("--model", help="with --openai-url: the model name it serves")
+    parser.add_argument("--compare", help="comma-separated labels to print with their ratios")
+    parser.add_argument(
+        "--to", help="comma-separated baseline labels for --compare (default: the first label)"
+    )
     args = parser.parse_args()
     if args.compare:
-        compare(args.compare.split(","))
+        labels = args.compare.split(",")
+        compare(labels, args.to.split(",") if args.to else labels[:1])
         return
     asyncio.run(measure(args))
 

@@ -1,32 +1,90 @@
 #!/bin/bash
-# Device call for issue 16, one per N: the worker started by its own CLI with --worker-processes N
-# over one engine core, driven by bench.p8_processes from a load process of its own (256 streams x
-# 2 requests x 128 tokens, 32-token prompts, logprobs off/5/20). JSON and logs under $OUT.
-#   N=2 bash bench/gpu/g16_runs.sh
+# Device calls for issue 16, one side per call, each with the GPU to itself (the side before is
+# stopped first): 256 streams x 2 requests x 128 tokens, 32-token prompts, logprobs off/5/20,
+# REPEATS runs each, driven from a load process of its own; JSON and logs under $OUT.
+#   SIDE=ceiling bash bench/gpu/g16_runs.sh          offline LLM.generate (bench.ceiling)
+#   SIDE=serve API=4 bash bench/gpu/g16_runs.sh      vllm serve --api-server-count 4
+#   SIDE=worker N=2 bash bench/gpu/g16_runs.sh       the worker, --worker-processes 2
+#   ... PROFILE=1: also py-spy on worker process 0 during one logprobs-20 run (needs py-spy's
+#   wheel in .gpu/, carried with the call)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
+SIDE=${SIDE:-worker}
 N=${N:-1}
+API=${API:-4}
+REPEATS=${REPEATS:-3}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
-ENGINE=(--model /tmp/llama-1b --dtype bfloat16 --max-model-len 2048 --max-logprobs 20
+ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
         --kv-cache-memory-bytes 16000000000 --seed 0)
+MODEL=/tmp/llama-1b
+pkill -f "^python3 -m worker" ; pkill -f "vllm serve"; sleep 1
 pkill nats-server; nats-server -a 127.0.0.1 -p 4222 > "$OUT/nats.log" 2>&1 &
 sleep 1
-python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" "${ENGINE[@]}" \
-  > "$OUT/worker-n$N.log" 2>&1 &
-worker=$!
 started=$(date +%s)
-until [ "$(grep -c 'vllm-nats-worker ready' "$OUT/worker-n$N.log")" -ge "$N" ]; do
-  if ! kill -0 $worker 2>/dev/null || [ $(( $(date +%s) - started )) -gt 360 ]; then
-    echo "worker n$N did not get ready"; tail -30 "$OUT/worker-n$N.log"; exit 1
-  fi
-  sleep 2
-done
-echo "n$N ready after $(( $(date +%s) - started )) s"
-timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "n$N" \
-  --repeats "${REPEATS:-3}" > "$OUT/p8-n$N.txt" 2>&1
-echo "bench exit $?"
-cp bench/out/p8_n$N.json "$OUT/" 2>/dev/null
-kill -TERM $worker; wait $worker; echo "worker exit $?"
+
+wait_for() {  # wait_for <log> <pattern> <count> <pid>
+  until [ "$(grep -c "$2" "$1")" -ge "$3" ]; do
+    if ! kill -0 "$4" 2>/dev/null || [ $(( $(date +%s) - started )) -gt 420 ]; then
+      echo "$SIDE did not get ready"; tail -30 "$1"; return 1
+    fi
+    sleep 2
+  done
+  echo "$SIDE ready after $(( $(date +%s) - started )) s"
+}
+
+case "$SIDE" in
+  ceiling)
+    timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.ceiling --label ceiling --repeats "$REPEATS" \
+      -- --model "$MODEL" "${ENGINE[@]}" > "$OUT/ceiling.log" 2>&1
+    echo "bench exit $?"; grep "ceiling logprobs" "$OUT/ceiling.log"
+    cp bench/out/p8_ceiling.json "$OUT/" 2>/dev/null
+    ;;
+  serve)
+    label=serve$API
+    vllm serve "$MODEL" "${ENGINE[@]}" --api-server-count "$API" --host 127.0.0.1 --port 8000 \
+      > "$OUT/$label.log" 2>&1 &
+    server=$!
+    until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
+      if ! kill -0 $server 2>/dev/null || [ $(( $(date +%s) - started )) -gt 420 ]; then
+        echo "$label did not get ready"; tail -30 "$OUT/$label.log"; exit 1
+      fi
+      sleep 2
+    done
+    echo "$label ready after $(( $(date +%s) - started )) s"
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" \
+      --repeats "$REPEATS" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" \
+      > "$OUT/p8-$label.txt" 2>&1
+    echo "bench exit $?"
+    cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
+    kill -TERM $server; wait $server; echo "server exit $?"
+    cat "$OUT/p8-$label.txt" | tail -4
+    ;;
+  worker)
+    label=n$N
+    python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
+      "${ENGINE[@]}" > "$OUT/worker-$label.log" 2>&1 &
+    worker=$!
+    wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
+    if [ "${PROFILE:-0}" = 1 ]; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
+      # One logprobs-20 run under py-spy (process 0 of the worker; with N = 1 the worker itself).
+      target=$(pgrep -f "spawn_main" -P $worker | head -1); target=${target:-$worker}
+      timeout 120 /tmp/pyspy/bin/py-spy record --pid "$target" --rate 200 --duration 25 \
+        --format raw --output "$OUT/profile-$label.txt" > "$OUT/pyspy-$label.log" 2>&1 &
+      spy=$!
+      sleep 1
+      python3 -m bench.p8_processes --label "$label-profiled" --repeats 3 --logprobs 20 \
+        > "$OUT/p8-$label-profiled.txt" 2>&1
+      wait $spy; echo "py-spy exit $?"
+    fi
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" \
+      --repeats "$REPEATS" > "$OUT/p8-$label.txt" 2>&1
+    echo "bench exit $?"
+    cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
+    kill -TERM $worker; wait $worker; echo "worker exit $?"
+    cat "$OUT/p8-$label.txt" | tail -4
+    grep -E "Error|error" "$OUT/worker-$label.log" | head -5
+    ;;
+esac
 pkill nats-server
-cat "$OUT/p8-n$N.txt" | tail -6; grep -E "Error|error" "$OUT/worker-n$N.log" | head -5
