@@ -67,7 +67,7 @@ case "$SIDE" in
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
     if [ "${PROFILE:-0}" = 1 ]; then
-      python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
+      [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
       # One logprobs-20 run under py-spy (process 0 of the worker; with N = 1 the worker itself).
       target=$(pgrep -f "spawn_main" -P $worker | head -1); target=${target:-$worker}
       timeout 120 /tmp/pyspy/bin/py-spy record --pid "$target" --rate 200 --duration 25 \
