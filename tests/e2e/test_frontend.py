@@ -498,3 +498,82 @@ async def test_killed_frontend_process_frees_the_engine(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+async def test_frontend_processes_share_one_port_and_stop_as_one(
+    worker, nats_server, tiny_model
+) -> None:
+    """--processes 2: both processes answer on the one port (the kernel spreads connections over
+    their SO_REUSEPORT sockets), SIGTERM stops both with exit 0, and a dead process ends the
+    whole frontend non-zero."""
+    import psutil
+
+    from tests.helpers import read_until
+
+    async def start() -> tuple[asyncio.subprocess.Process, str, list[str]]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "worker.frontend", "--nats-url", nats_server.url,
+            "--model", str(tiny_model), "--subject", TEST_SUBJECTS.generate,
+            "--port", "0", "--processes", "2", "--log-level", "info",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        lines: list[str] = []
+        found = await read_until(process.stdout, r"frontend: 2 processes on (\S+)", lines, 60)
+        # Both listening: until then the kernel gives every connection to the one that is.
+        for _ in range(2):
+            await read_until(process.stdout, r"Application startup complete", lines, 60)
+        return process, found.group(1), lines
+
+    async def complete(base: str, i: int) -> dict[str, Any]:
+        # A client of its own per request: a new connection each, as many users would open.
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"model": str(tiny_model), "prompt": [1, 300 + i], "max_tokens": 8}
+            body["ignore_eos"] = True
+            answer = await http.post(base + "/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+
+    process, base, lines = await start()
+    output = asyncio.create_task(collect_lines(process, lines))
+    try:
+        answers = await asyncio.gather(*(complete(base, i) for i in range(24)))
+        assert [a["choices"][0]["finish_reason"] for a in answers] == ["length"] * 24
+        assert all(a["usage"]["completion_tokens"] == 8 for a in answers)
+        served = {
+            line.split()[2]
+            for line in lines
+            if "uvicorn.access" in line and "POST /v1/completions" in line
+        }
+        assert served == {"frontend-0", "frontend-1"}, "".join(lines[-20:])
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 40) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await output
+
+    # A dead process ends the whole frontend, never half of it.
+    process, base, lines = await start()
+    output = asyncio.create_task(collect_lines(process, lines))
+    try:
+        children = psutil.Process(process.pid).children()
+        frontends = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(frontends) == 2, [c.cmdline() for c in children]
+        frontends[0].kill()
+        assert await asyncio.wait_for(process.wait(), 40) == 1
+        gone, alive = psutil.wait_procs(frontends, timeout=10)
+        assert alive == []
+        await output
+        assert "died with exit code -9" in "".join(lines)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def collect_lines(process: asyncio.subprocess.Process, lines: list[str]) -> None:
+    assert process.stdout is not None
+    while line := await process.stdout.readline():
+        lines.append(line.decode(errors="replace"))

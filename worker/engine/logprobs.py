@@ -16,7 +16,7 @@ Both are handled, so the values do not depend on which shape an engine version r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from messages.frames import TopLogprob
 from worker.engine.tokens import TokenTable
@@ -64,7 +64,7 @@ def _flat_rows(
         row = list(
             map(
                 TopLogprob,
-                ranks[start + 1 : end],
+                cast("list[int]", ranks[start + 1 : end]),
                 top_ids,
                 map(texts.__getitem__, top_ids),
                 values[start + 1 : end],

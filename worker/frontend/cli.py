@@ -1,0 +1,90 @@
+"""`python -m worker.frontend --nats-url URL --model PATH [--subject S] [--port P]
+[--processes N]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from messages.subjects import Subjects
+from worker.config import environment
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.frontend",
+        description="OpenAI-compatible HTTP frontend for vLLM NATS workers.",
+    )
+    parser.add_argument(
+        "--nats-url", default=environment().get("nats_url", "nats://127.0.0.1:4222")
+    )
+    parser.add_argument(
+        "--model", required=True, help="the model's directory (its tokenizer is loaded)"
+    )
+    parser.add_argument(
+        "--served-model-name", help="the name clients send as `model` (default: --model)"
+    )
+    parser.add_argument("--subject", default=Subjects().generate, help="the generate subject")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait per frame")
+    parser.add_argument(
+        "--retries", type=int, default=2, help="retries of a refused request on other workers"
+    )
+    parser.add_argument(
+        "--processes",
+        type=_at_least_one,
+        default=1,
+        help="frontend processes on the port, each with its own event loop, tokenizer and NATS "
+        "connection (worker/frontend/processes.py); default 1",
+    )
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
+    """One frontend process: the app on uvicorn, on `sock` (a listening socket) or host:port."""
+    import nats
+    import uvicorn
+    from nats.aio.client import Client as NATS
+
+    from worker.frontend.app import FrontendSettings, create_app
+    from worker.frontend.tokenizer import ModelTokenizer
+
+    settings = FrontendSettings(
+        model_name=args.served_model_name or args.model,
+        subject=args.subject,
+        timeout_s=args.timeout,
+        retries=args.retries,
+    )
+
+    async def connect() -> NATS:
+        return await nats.connect(args.nats_url.split(","), max_reconnect_attempts=-1)
+
+    app = create_app(settings, ModelTokenizer.load(args.model), connect=connect)
+    if sock is None:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        return
+    # log_config=None: uvicorn's records go through the process's own format (which names it).
+    config = uvicorn.Config(app, log_level=args.log_level, log_config=None)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    if args.processes == 1:
+        serve(args)
+        return
+    from worker.frontend import processes
+
+    sys.exit(processes.run(args, args.processes, serve))
