@@ -112,7 +112,9 @@ OPTIONS: list[Option] = [
         WorkerConfig,
         "processes",
         "worker processes over one engine core, each an AsyncLLM client with its own NATS "
-        "connection in the queue group (vLLM's front-end scale-out; needs vLLM 0.32+)",
+        "connection in the queue group (vLLM's front-end scale-out, vLLM 0.24 and 0.32+); "
+        "default 1, as vllm serve's --api-server-count; 4 on a GPU host under high "
+        "concurrency (README: Worker processes)",
         _at_least_one,
     ),
     Option(
