@@ -26,6 +26,7 @@ ErrorCode = Literal[
     "internal_error",
     "deadline_exceeded",
     "client_gone",
+    "no_workers",
 ]
 ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
@@ -53,6 +54,10 @@ ERRORS: dict[str, ErrorKind] = {
     "internal_error": ErrorKind(True, False, 500, "internal_error", "the worker failed"),
     "deadline_exceeded": ErrorKind(False, False, 504, "timeout", "the request's deadline passed"),
     "client_gone": ErrorKind(False, False, 499, "client_gone", "nobody listens for the answer"),
+    # Never in a frame: NATS answered the request itself with "no responders" (a status-503
+    # message) because nothing subscribes to its subject. A refusal: nothing ran, and a worker
+    # that comes up (or the right subject) can serve it.
+    "no_workers": ErrorKind(True, True, 503, "service_unavailable", "no worker serves the subject"),
 }
 _UNKNOWN = ErrorKind(False, False, 500, "internal_error", "unknown error")
 

@@ -403,6 +403,38 @@ async def test_malformed_json_is_a_400(frontend) -> None:
     assert answer.json()["error"]["type"] == "invalid_request_error"
 
 
+async def test_no_worker_on_the_subject_is_an_immediate_503(nats_server, tiny_model) -> None:
+    """Nothing subscribes to the frontend's subject (no worker up, or a wrong --subject): NATS
+    says "no responders" and the frontend answers 503 at once, streamed or not."""
+    nc = await nats.connect(nats_server.url)
+    settings = FrontendSettings(model_name=str(tiny_model), subject="nobody.vllm.generate")
+    app = create_app(settings, ModelTokenizer.load(tiny_model), nc=nc)
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://frontend") as http:
+            for stream in (False, True):
+                started = time.monotonic()
+                answer = await http.post(
+                    "/v1/completions",
+                    json={
+                        "model": str(tiny_model),
+                        "prompt": "Hi",
+                        "max_tokens": 4,
+                        "stream": stream,
+                    },
+                )
+                assert time.monotonic() - started < 5
+                assert answer.status_code == 503, answer.text
+                error = answer.json()["error"]
+                assert error["type"] == "service_unavailable"
+                assert error["code"] == "no_workers"
+                assert error["message"] == (
+                    "no worker listens on nobody.vllm.generate (NATS: no responders)"
+                )
+    finally:
+        await nc.close()
+
+
 # --- cancellation end to end --------------------------------------------------------------
 
 

@@ -30,3 +30,51 @@ async def test_flush_puts_its_ping_behind_buffered_subscriptions(nats_server) ->
         transport.write, transport.writelines = write, writelines
         await publisher.close()
         await subscriber.close()
+
+
+async def test_a_request_nobody_serves_ends_at_once_as_no_workers(nats_server) -> None:
+    """NATS answers a request on a subject without subscribers with "no responders" (a status
+    503, empty body): the client library raises no_workers naming the subject, at once, instead
+    of waiting out its frame timeout."""
+    import asyncio
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from messages.errors import is_refusal, is_retryable, kind
+    from tests.helpers import ROOT, make_request, subprocess_env
+    from worker.client import RequestError, complete
+
+    nc = await nats.connect(nats_server.url)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RequestError) as info:
+            await complete(
+                nc, make_request("nobody-1", [1, 2, 3]), subject="nobody.vllm.generate", timeout=30
+            )
+        assert time.monotonic() - started < 5
+        assert info.value.code == "no_workers"
+        assert info.value.message == (
+            "no worker listens on nobody.vllm.generate (NATS: no responders)"
+        )
+        assert is_retryable("no_workers") and is_refusal("no_workers")
+        assert kind("no_workers").http_status == 503
+    finally:
+        await nc.close()
+
+    # The client CLI: one line, exit 1, no traceback.
+    command = [
+        sys.executable, "-m", "worker.client", "--nats-url", nats_server.url,
+        "--subject", "nobody.vllm.generate", "--token-ids", "1,2,3",
+    ]  # fmt: skip
+    done = await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, cwd=ROOT,
+        env=subprocess_env(), timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, done
+    output = (done.stdout + done.stderr).strip().splitlines()
+    assert output == [
+        "error no_workers: no worker listens on nobody.vllm.generate (NATS: no responders)"
+    ], output

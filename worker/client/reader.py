@@ -58,14 +58,27 @@ class RequestEnd:
         self.ended = False
 
 
+def no_responders(msg: Msg) -> str | None:
+    """The subject nobody subscribes to, when `msg` is NATS's "no responders" status (503, empty
+    body) for a request published with this reply subject; else None."""
+    headers = msg.headers
+    if msg.data or headers is None or headers.get("Status") != "503":
+        return None
+    return headers.get("Nats-Subject", "the request's subject")
+
+
 async def frame_payloads(subscription: Subscription, timeout: float) -> AsyncGenerator[bytes, None]:
     """The encoded frames arriving on a reply subscription, probes skipped; `timeout` per frame
-    (nats' TimeoutError past it)."""
+    (nats' TimeoutError past it). NATS's "no responders" ends it at once as `no_workers`."""
     while True:
         msg = await subscription.next_msg(timeout=timeout)
         if is_probe(msg):
             continue
         if not msg.data:
+            if (subject := no_responders(msg)) is not None:
+                raise RequestError(
+                    "no_workers", f"no worker listens on {subject} (NATS: no responders)"
+                )
             raise RequestError("internal_error", "an empty message that is not a probe or frame")
         yield msg.data
 
