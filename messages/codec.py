@@ -62,10 +62,21 @@ JSON = Codec(
 )
 
 
-def codec_for(headers: Mapping[str, str] | None) -> Codec:
-    """JSON if the message's Content-Type says JSON (parameters like charset allowed)."""
+_JSON_OBJECT_START = frozenset(b" \t\r\n{")
+
+
+def codec_for(headers: Mapping[str, str] | None, data: bytes = b"") -> Codec:
+    """JSON if the message's Content-Type says JSON (parameters like charset allowed), or if
+    there is no Content-Type and the body starts like a JSON object (`nats req SUBJECT '{...}'`
+    without `-H`): a request in msgpack is a map, whose first byte is never `{` (0x7b, a
+    positive fixint) or JSON whitespace. Any other Content-Type is msgpack's."""
+    content_type = ""
     if headers:
         content_type = headers.get("Content-Type") or headers.get("content-type") or ""
+    if content_type:
         if content_type.split(";", 1)[0].strip().lower() == JSON_CONTENT_TYPE:
             return JSON
+        return MSGPACK
+    if data and data[0] in _JSON_OBJECT_START:
+        return JSON
     return MSGPACK

@@ -165,7 +165,7 @@ class Worker:
             await self._capacity_freed.wait()
 
     def _writer(self, delivery: Delivery) -> FrameWriter:
-        codec = codec_for(delivery.headers)
+        codec = codec_for(delivery.headers, delivery.data)
         return FrameWriter(codec, self.max_payload, delivery.reply.publish, delivery.attempt)
 
     async def accept(self, delivery: Delivery) -> asyncio.Task[Outcome] | ErrorCode:

@@ -139,6 +139,41 @@ async def test_synthetic_engine_frames_follow_the_wire_contract(nats_server, cli
         await nc.close()
 
 
+async def test_a_json_request_without_content_type_is_answered_in_json(nats_server, client) -> None:
+    """What `nats req SUBJECT '{...}'` sends without `-H Content-Type:application/json`: the
+    worker takes the body as JSON and answers in JSON (was a msgpack error reply)."""
+    subjects = Subjects("rawjson", "vllm", "generate")
+    nc = await connect(NatsConfig(servers=[nats_server.url]))
+    worker = NatsWorker(
+        SyntheticFastEngine(),
+        nc,
+        WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects),
+    )
+    await worker.start()
+    inbox = client.new_inbox()
+    subscription = await client.subscribe(inbox)
+    try:
+        body = (
+            b'{"request_id": "raw-1", "token_ids": [5, 6], '
+            b'"stop_conditions": {"max_tokens": 3}, "output_options": {"logprobs": 1}}'
+        )
+        await client.publish(subjects.generate, body, reply=inbox)
+        maps = await _rest_of(subscription, json=True)
+        assert [m["seq"] for m in maps] == [0, 1, 2]
+        assert [m["finish_reason"] for m in maps] == [None, None, "length"]
+        assert all(m["request_id"] == "raw-1" for m in maps)
+        # A bad one is answered in JSON too, naming the field.
+        await client.publish(subjects.generate, b'{"request_id": "raw-2"}', reply=inbox)
+        (error,) = await _rest_of(subscription, json=True)
+        assert error["finish_reason"] == "error"
+        assert error["error"]["code"] == "invalid_request"
+        assert "token_ids" in error["error"]["message"], error
+    finally:
+        await subscription.unsubscribe()
+        await worker.stop()
+        await nc.close()
+
+
 async def test_probes_are_skipped_by_their_header_and_an_empty_reply_is_an_error(
     client,
 ) -> None:

@@ -167,6 +167,20 @@ def test_codec_by_content_type() -> None:
     assert codec_for({"Content-Type": "application/msgpack"}) is MSGPACK
 
 
+def test_a_json_object_without_content_type_is_json() -> None:
+    """`nats req SUBJECT '{...}'` without `-H Content-Type:application/json` is answered in JSON:
+    a msgpack request is a map, whose first byte is never `{` or JSON whitespace."""
+    body = b'{"request_id": "r", "token_ids": [1]}'
+    assert codec_for(None, body) is JSON
+    assert codec_for({}, b"\n  " + body) is JSON
+    packed = MSGPACK.encode(GenerateRequest(request_id="r", token_ids=[1]))
+    assert codec_for(None, packed) is MSGPACK
+    assert 0x80 <= packed[0] <= 0x8F  # a fixmap
+    # A Content-Type that is there decides, whatever the body looks like.
+    assert codec_for({"Content-Type": "application/msgpack"}, body) is MSGPACK
+    assert JSON.decode_request(body).token_ids == [1]
+
+
 def test_subjects() -> None:
     subjects = Subjects()
     assert subjects.generate == "llm.vllm.generate"

@@ -111,7 +111,7 @@ class NatsWorker(Worker):
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
-            cancel = codec_for(msg.headers).decode_cancel(msg.data)
+            cancel = codec_for(msg.headers, msg.data).decode_cancel(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as error:
             log.warning("ignored an invalid cancel on %s: %s", msg.subject, error)
             return
