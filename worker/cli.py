@@ -388,11 +388,38 @@ async def serve(
     with _nats_for(args):
         count = client_config.get("client_count", 1) if client_config else 1
         config = worker_config(args, count)
+        # The parent of --worker-processes checked before it launched the engine core.
+        if client_config is None and (refusal := await preflight(args, config)):
+            _say(f"vllm-nats-worker: {refusal}", sys.stderr)
+            return 2
         engine = await VllmEngine.start(engine_args(args), client_config)
         try:
             return await _run(args, config, engine, on_ready, stop)
         finally:
             engine.shutdown()
+
+
+async def preflight(args: argparse.Namespace, config: WorkerConfig) -> str | None:
+    """What would fail only after the model loaded (minutes on a GPU), checked before it: the
+    NATS URL and credentials (bounded attempts, `NatsConfig.start_attempts`) and, in jetstream
+    mode, the stream and consumer (created when absent; refused when their settings differ).
+    The refusal's one line, or None."""
+    from worker.nats.connection import ConnectFailed, connect
+    from worker.nats.intake.jetstream import JetStreamConfigError, ensure_stream_and_consumer
+
+    try:
+        nc = await connect(config.nats, attempts=config.nats.start_attempts)
+    except ConnectFailed as error:
+        return str(error)
+    try:
+        if args.mode == "jetstream":
+            settings = jetstream_settings(args, config)
+            await ensure_stream_and_consumer(nc.jetstream(), config.subjects, settings)
+    except JetStreamConfigError as error:
+        return f"refusing to start: {error}"
+    finally:
+        await nc.close()
+    return None
 
 
 def serve_processes(args: argparse.Namespace) -> int:
@@ -410,6 +437,10 @@ def serve_processes(args: argparse.Namespace) -> int:
     reaper.watch_this_process()
     args.instance_id = args.instance_id or uuid.uuid4().hex[:12]
     with _nats_for(args):
+        config = worker_config(args, args.worker_processes)
+        if refusal := asyncio.run(preflight(args, config)):
+            _say(f"vllm-nats-worker: {refusal}", sys.stderr)
+            return 2
         if args.metrics_port is not None:
             _serve_summed_metrics(args)
         timeout = float(args.drain_timeout) + 10.0

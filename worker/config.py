@@ -80,6 +80,10 @@ class NatsConfig:
     tls_key: str | None = None
     max_reconnect_attempts: int = -1
     """-1: keep reconnecting forever (a worker outlives broker restarts)."""
+    start_attempts: int = 3
+    """Connection attempts per server in the start-up check, before the model loads: a wrong
+    URL or credentials end the worker at once with one line (exit 2), not after minutes of
+    loading and then in endless reconnects."""
     reconnect_wait_s: float = 0.5
 
 

@@ -413,3 +413,49 @@ async def test_the_production_cli_requires_a_model_and_a_nats_url(capsys) -> Non
     assert "vllm-nats-worker: --nats-url (or NATS_URL) required" in capsys.readouterr().err
     args = build_parser().parse_args(["--dev"])
     assert args.dev and args.model is None and args.nats_url is None
+
+
+async def test_nats_and_jetstream_trouble_refuse_before_the_model_loads(
+    nats_server, client, capsys
+) -> None:
+    """A wrong URL, wrong credentials or a JetStream stream set up otherwise end the worker with
+    one line and exit 2 before the engine starts (the model path here does not even exist: had
+    the worker tried to load it, it would have failed otherwise, minutes later on a GPU)."""
+    from nats.js import api
+
+    from worker.cli import serve
+    from worker.dev.embedded import NatsServer
+
+    missing_model = "/models/never-loaded"
+
+    async def refusal(*flags: str) -> str:
+        started = time.monotonic()
+        code = await serve(build_parser().parse_args(["--model", missing_model, *flags]))
+        assert code == 2
+        assert time.monotonic() - started < 20
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        return err[0]
+
+    line = await refusal("--nats-url", "nats://127.0.0.1:1")
+    assert line.startswith("vllm-nats-worker: cannot connect to NATS at nats://127.0.0.1:1: ")
+    assert "Connect call failed" in line, line
+
+    server = NatsServer(jetstream=False, extra_config='authorization { token: "s3cret" }').start()
+    try:
+        line = await refusal("--nats-url", server.url, "--nats-token", "wrong")
+        assert line.startswith(f"vllm-nats-worker: cannot connect to NATS at {server.url}: ")
+        assert "authorization violation" in line.lower(), line
+    finally:
+        server.stop()
+
+    await client.jetstream().add_stream(
+        api.StreamConfig(
+            name="PRE_VLLM_GENERATE",
+            subjects=["pre.vllm.queue.generate"],
+            retention=api.RetentionPolicy.LIMITS,
+        )
+    )
+    line = await refusal("--nats-url", nats_server.url, "--mode", "jetstream", "--namespace", "pre")
+    assert line.startswith("vllm-nats-worker: refusing to start: stream PRE_VLLM_GENERATE ")
+    assert "retention is limits, not workqueue" in line, line

@@ -24,8 +24,18 @@ def _tls_context(config: NatsConfig) -> ssl.SSLContext | None:
     return context
 
 
-async def connect(config: NatsConfig) -> NATS:
+class ConnectFailed(RuntimeError):
+    """No server of the list could be connected to within the attempts given."""
+
+
+async def connect(config: NatsConfig, *, attempts: int | None = None) -> NATS:
+    """A connection by `config`. `attempts`: connection attempts per server before giving up
+    with ConnectFailed (naming the last error); it also bounds the connection's reconnects, so
+    it is for a start-up check, not for serving (default: `config.max_reconnect_attempts`)."""
+    errors: list[Exception] = []
+
     async def on_error(error: Exception) -> None:
+        errors.append(error)
         log.warning("nats: %s", error)
 
     async def on_disconnected() -> None:
@@ -38,7 +48,7 @@ async def connect(config: NatsConfig) -> NATS:
     options: dict[str, Any] = dict(
         servers=config.servers,
         name=config.name,
-        max_reconnect_attempts=config.max_reconnect_attempts,
+        max_reconnect_attempts=config.max_reconnect_attempts if attempts is None else attempts,
         reconnect_time_wait=config.reconnect_wait_s,
         error_cb=on_error,
         disconnected_cb=on_disconnected,
@@ -54,7 +64,12 @@ async def connect(config: NatsConfig) -> NATS:
         options["nkeys_seed"] = config.nkeys_seed
     if (tls := _tls_context(config)) is not None:
         options["tls"] = tls
-    nc = await nats.connect(**options)
+    try:
+        nc = await nats.connect(**options)
+    except Exception as error:
+        cause = errors[-1] if errors else error
+        servers = ", ".join(config.servers)
+        raise ConnectFailed(f"cannot connect to NATS at {servers}: {cause}") from error
     where = nc.connected_url.netloc if nc.connected_url else "?"
     log.info("nats: connected to %s (max_payload %d)", where, nc.max_payload)
     return nc
