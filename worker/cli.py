@@ -31,13 +31,13 @@ from messages.subjects import Subjects
 from worker.config import (
     ENVIRONMENT,
     JetStreamSettings,
-    NatsConfig,
     WorkerConfig,
     default,
     environment,
 )
 from worker.engine import args as engine_cli
 from worker.metrics import WorkerMetrics
+from worker.nats.options import add_nats_arguments, nats_config
 
 log = logging.getLogger("worker")
 
@@ -73,25 +73,7 @@ def _at_least_one(value: str) -> int:
     return number
 
 
-def _servers(value: str) -> list[str]:
-    return [url.strip() for url in value.split(",") if url.strip()]
-
-
 OPTIONS: list[Option] = [
-    Option(
-        "--nats-url",
-        NatsConfig,
-        "servers",
-        "NATS server URL, or a comma-separated list of a cluster's nodes (required unless --dev)",
-    ),
-    Option("--nats-user", NatsConfig, "user", "user name"),
-    Option("--nats-password", NatsConfig, "password", "password"),
-    Option("--nats-token", NatsConfig, "token", "token"),
-    Option("--nats-creds", NatsConfig, "creds_file", "credentials (JWT + nkey) file"),
-    Option("--nats-nkey-seed", NatsConfig, "nkeys_seed", "nkey seed file"),
-    Option("--tls-ca", NatsConfig, "tls_ca", "CA file"),
-    Option("--tls-cert", NatsConfig, "tls_cert", "client certificate"),
-    Option("--tls-key", NatsConfig, "tls_key", "client key"),
     Option("--namespace", Subjects, "namespace", "first subject token"),
     Option("--component", Subjects, "component", "second subject token"),
     Option("--endpoint", Subjects, "endpoint", "third subject token"),
@@ -238,25 +220,20 @@ OPTIONS: list[Option] = [
 
 def build_parser(prog: str = "vllm-nats-worker") -> argparse.ArgumentParser:
     parser = engine_cli.parser(prog, DESCRIPTION)
-    group = parser.add_argument_group(
-        "NATS worker", "Transport, subjects and lifecycle (NATS settings also from env vars)."
-    )
+    # No default URL: a production worker needs one (or --dev).
+    add_nats_arguments(parser, url_default=None)
+    group = parser.add_argument_group("NATS worker", "Subjects, limits and lifecycle.")
     env_of = {dest: name for name, dest in ENVIRONMENT.items()}
     for option in OPTIONS:
         value = option.default if option.config is None else default(option.config, option.field)
         shown = ",".join(value) if isinstance(value, list) else value
         help_text = option.help
-        if shown is not None and option.flag != "--nats-url":
+        if shown is not None:
             help_text += f" (default: {shown})"
         if option.dest in env_of:
             help_text += f" [env {env_of[option.dest]}]"
-        # The NATS URL has no default: a production worker needs one (or --dev).
         group.add_argument(
-            option.flag,
-            type=option.type,
-            choices=option.choices,
-            default=None if option.flag == "--nats-url" else value,
-            help=help_text,
+            option.flag, type=option.type, choices=option.choices, default=value, help=help_text
         )
     group.add_argument(
         "--dev",
@@ -278,15 +255,13 @@ def _fields(args: argparse.Namespace, config: type) -> dict[str, Any]:
 def worker_config(args: argparse.Namespace, client_count: int = 1) -> WorkerConfig:
     """The config of one worker process (one of `client_count` over a shared engine core, whose
     share of --max-concurrency it takes)."""
-    nats = _fields(args, NatsConfig)
-    nats["servers"] = _servers(args.nats_url)
     settings = _fields(args, WorkerConfig)
     if args.mode == "jetstream" and settings["max_concurrency"] is None:
         settings["max_concurrency"] = default(JetStreamSettings, "capacity")
     if settings["max_concurrency"] is not None and client_count > 1:
         settings["max_concurrency"] = -(-settings["max_concurrency"] // client_count)
     config = WorkerConfig(
-        nats=NatsConfig(**nats),
+        nats=nats_config(args),
         subjects=Subjects(**_fields(args, Subjects)),
         **settings,
     )

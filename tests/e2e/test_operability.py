@@ -459,3 +459,104 @@ async def test_nats_and_jetstream_trouble_refuse_before_the_model_loads(
     line = await refusal("--nats-url", nats_server.url, "--mode", "jetstream", "--namespace", "pre")
     assert line.startswith("vllm-nats-worker: refusing to start: stream PRE_VLLM_GENERATE ")
     assert "retention is limits, not workqueue" in line, line
+
+
+async def test_client_cli_options_and_one_line_errors(worker, tiny_model) -> None:
+    """`python -m worker.client`: sampling and output flags reach the worker, --json prints the
+    raw frames, a tokenizer prints the text, and every failure is one line with exit 1 (2 for
+    bad arguments), no traceback."""
+    import subprocess
+
+    nats_url = worker.config.nats.servers[0]
+    base = [sys.executable, "-m", "worker.client", "--nats-url", nats_url]
+    base += ["--subject", TEST_SUBJECTS.generate]
+
+    def run(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*base, *flags], capture_output=True, text=True, cwd=ROOT, timeout=120,
+            env=subprocess_env(),
+        )  # fmt: skip
+
+    raw = await asyncio.to_thread(
+        run, "--token-ids", "1,300,301", "--max-tokens", "4", "--n", "2", "--seed", "7",
+        "--temperature", "1.0", "--top-p", "0.9", "--logprobs", "2", "--prompt-logprobs", "1",
+        "--json",
+    )  # fmt: skip
+    assert raw.returncode == 0, raw.stderr
+    frames = [json.loads(line) for line in raw.stdout.splitlines()]
+    assert "prompt_log_probs" in frames[0]  # --prompt-logprobs reached the worker
+    finals = {f["index"]: f["finish_reason"] for f in frames if f.get("finish_reason")}
+    assert finals == {0: "length", 1: "length"}
+    assert sum(len(f["token_ids"]) for f in frames) == 8
+    assert all(len(row) >= 2 for f in frames for row in f.get("top_logprobs", []))
+
+    text = await asyncio.to_thread(
+        run, "--prompt", "Hello there", "--tokenizer", str(tiny_model), "--max-tokens", "3"
+    )
+    assert text.returncode == 0, text.stderr
+    assert "0: finish_reason=length" in text.stdout
+    assert "0: text=" in text.stdout
+
+    bad_ids = await asyncio.to_thread(run, "--token-ids", "1,x")
+    assert bad_ids.returncode == 2
+    assert "argument --token-ids: comma-separated integers, got '1,x'" in bad_ids.stderr
+
+    too_many = await asyncio.to_thread(run, "--token-ids", "1,2", "--logprobs", "21")
+    assert too_many.returncode == 1 and too_many.stdout.count("\n") == 0
+    assert too_many.stderr.strip().splitlines() == [
+        "error invalid_request: output_options.logprobs: must be <= 20 (the engine's "
+        "max_logprobs), got 21"
+    ]
+
+    wrong_port = subprocess.run(
+        [sys.executable, "-m", "worker.client", "--nats-url", "nats://127.0.0.1:1",
+         "--token-ids", "1,2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60, env=subprocess_env(),
+    )  # fmt: skip
+    assert wrong_port.returncode == 1 and wrong_port.stdout == ""
+    lines = wrong_port.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: cannot connect to NATS at nats://127.0.0.1:1: "
+    ), wrong_port.stderr
+
+
+def test_worker_client_and_frontend_take_one_set_of_nats_flags(monkeypatch) -> None:
+    """The same NATS flags and environment variables, parsed by one implementation
+    (worker/nats/options.py), give the same NatsConfig in all three tools."""
+    from worker.cli import worker_config
+    from worker.client.__main__ import _parse_args as client_args
+    from worker.frontend.cli import parse_args as frontend_args
+    from worker.nats.options import nats_config
+
+    monkeypatch.setenv("NATS_TLS_CA", "/etc/ca.pem")
+    flags = [
+        "--nats-url", "nats://a:4222,nats://b:4222", "--nats-user", "u", "--nats-password", "p",
+        "--nats-token", "t", "--nats-creds", "/c.creds", "--nats-nkey-seed", "/k.nk",
+        "--tls-cert", "/cert.pem", "--tls-key", "/key.pem",
+    ]  # fmt: skip
+    worker = worker_config(build_parser().parse_args(["--model", "/m", *flags])).nats
+    client = nats_config(client_args([*flags, "--token-ids", "1"]))
+    frontend = nats_config(frontend_args([*flags, "--model", "/m"]))
+    assert worker == client == frontend
+    assert worker.servers == ["nats://a:4222", "nats://b:4222"]
+    assert (worker.user, worker.password, worker.token) == ("u", "p", "t")
+    assert (worker.creds_file, worker.nkeys_seed) == ("/c.creds", "/k.nk")
+    assert (worker.tls_ca, worker.tls_cert, worker.tls_key) == (
+        "/etc/ca.pem",
+        "/cert.pem",
+        "/key.pem",
+    )
+
+
+def test_frontend_refuses_a_wrong_nats_url_with_one_line(tiny_model) -> None:
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "worker.frontend", "--nats-url", "nats://127.0.0.1:1",
+         "--model", str(tiny_model)],
+        capture_output=True, text=True, cwd=ROOT, timeout=60, env=subprocess_env(),
+    )  # fmt: skip
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("frontend: cannot connect to NATS at nats://127.0.0.1:1: ")

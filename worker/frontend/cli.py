@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import socket
 import sys
 
 from messages.subjects import Subjects
-from worker.config import environment
+from worker.nats.options import LOCAL_URL, add_nats_arguments, nats_config
+
+START_ATTEMPTS = 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -17,9 +20,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m worker.frontend",
         description="OpenAI-compatible HTTP frontend for vLLM NATS workers.",
     )
-    parser.add_argument(
-        "--nats-url", default=environment().get("nats_url", "nats://127.0.0.1:4222")
-    )
+    add_nats_arguments(parser, url_default=LOCAL_URL)
     parser.add_argument(
         "--model", required=True, help="the model's directory (its tokenizer is loaded)"
     )
@@ -53,12 +54,12 @@ def _at_least_one(text: str) -> int:
 
 def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
     """One frontend process: the app on uvicorn, on `sock` (a listening socket) or host:port."""
-    import nats
     import uvicorn
     from nats.aio.client import Client as NATS
 
     from worker.frontend.app import FrontendSettings, create_app
     from worker.frontend.tokenizer import ModelTokenizer
+    from worker.nats.connection import connect as nats_connect
 
     settings = FrontendSettings(
         model_name=args.served_model_name or args.model,
@@ -68,7 +69,7 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
     )
 
     async def connect() -> NATS:
-        return await nats.connect(args.nats_url.split(","), max_reconnect_attempts=-1)
+        return await nats_connect(nats_config(args, name="vllm-nats-frontend"))
 
     app = create_app(settings, ModelTokenizer.load(args.model), connect=connect)
     if sock is None:
@@ -79,9 +80,24 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
+async def _check_nats(args: argparse.Namespace) -> str | None:
+    """A wrong URL or credentials: one line before serving, not endless reconnects behind 503s."""
+    from worker.nats.connection import ConnectFailed, connect
+
+    try:
+        nc = await connect(nats_config(args), attempts=START_ATTEMPTS)
+    except ConnectFailed as error:
+        return str(error)
+    await nc.close()
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    if refusal := asyncio.run(_check_nats(args)):
+        print(f"frontend: {refusal}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if args.processes == 1:
         serve(args)
         return

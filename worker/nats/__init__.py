@@ -5,5 +5,6 @@ imports nats.
 - `intake/`: where requests come in (core queue group, JetStream work queue);
 - `liveness.py`: client probes and publishing that waits out a broker outage;
 - `discovery.py`: the NATS micro protocol (`$SRV.PING/INFO/STATS`);
-- `connection.py`: servers, auth, TLS, reconnects; `compat.py`: nats-py private access.
+- `connection.py`: servers, auth, TLS, reconnects; `compat.py`: nats-py private access;
+- `options.py`: the NATS flags every tool shares (no nats import: argparse → NatsConfig).
 """

@@ -36,7 +36,8 @@ async def connect(config: NatsConfig, *, attempts: int | None = None) -> NATS:
 
     async def on_error(error: Exception) -> None:
         errors.append(error)
-        log.warning("nats: %s", error)
+        # In a start-up check, ConnectFailed names the last error: one line, not one per try.
+        log.log(logging.WARNING if attempts is None else logging.DEBUG, "nats: %s", error)
 
     async def on_disconnected() -> None:
         if not nc.is_closed:
