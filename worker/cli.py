@@ -468,10 +468,10 @@ async def _run(
         log.info("metrics on http://%s:%d/metrics", args.metrics_host, metrics_port)
     nc = await connect(config.nats)
     worker = NatsWorker(engine, nc, config, metrics)
-    await worker.start(core_endpoints=args.mode == "core")
+    settings = jetstream_settings(args, config) if args.mode == "jetstream" else None
+    await worker.start(jetstream=settings)
     intake = None
-    if args.mode == "jetstream":
-        settings = jetstream_settings(args, config)
+    if settings is not None:
         intake = JetStreamIntake(worker, nc, settings, settings.capacity)
         try:
             await intake.start()

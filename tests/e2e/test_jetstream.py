@@ -49,7 +49,7 @@ async def js_workers(nats_server):
         )
         nc = await connect(config.nats)
         worker = NatsWorker(engine, nc, config)
-        await worker.start(core_endpoints=False)
+        await worker.start(jetstream=settings)
         intake = JetStreamIntake(worker, nc, settings, capacity)
         await intake.start()
         made.append((worker, intake, nc))
@@ -302,3 +302,76 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+
+
+async def test_jetstream_mode_seen_from_outside(
+    engine, client, js_workers, nats_server, tiny_model, caplog
+) -> None:
+    """Discovery says a worker takes requests from a work queue (and which), the log line
+    names the stream instead of "no subject", and the client CLI and the frontend can publish
+    to the queue (--jetstream)."""
+    import json
+    import logging
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.helpers import ROOT, subprocess_env
+    from worker.frontend.app import FrontendSettings, create_app
+    from worker.frontend.tokenizer import ModelTokenizer
+
+    subjects = Subjects("jsseen", "vllm", "generate")
+    settings = JetStreamSettings()
+    with caplog.at_level(logging.INFO, logger="worker.nats.worker"):
+        worker = await js_workers(engine, subjects, settings)
+    assert (
+        "serving JetStream stream JSSEEN_VLLM_GENERATE (consumer vllm-workers, "
+        "jsseen.vllm.queue.generate) as vllm-nats-worker" in caplog.text
+    )
+    infos = []
+    inbox = client.new_inbox()
+    subscription = await client.subscribe(inbox)
+    await client.publish("$SRV.INFO.vllm-nats-worker", b"", reply=inbox)
+    try:
+        while True:
+            infos.append(json.loads((await subscription.next_msg(timeout=1)).data))
+    except Exception:  # the answers are over
+        pass
+    await subscription.unsubscribe()
+    (info,) = [i for i in infos if i["metadata"]["instance_id"] == worker.config.instance_id]
+    assert info["metadata"]["mode"] == "jetstream"
+    assert info["metadata"]["stream"] == "JSSEEN_VLLM_GENERATE"
+    assert info["metadata"]["consumer"] == "vllm-workers"
+    assert info["metadata"]["queue_subject"] == "jsseen.vllm.queue.generate"
+    assert info["endpoints"] == []  # nothing is served on the core subjects
+
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "worker.client", "--nats-url", nats_server.url,
+         "--subject", subjects.generate, "--jetstream", "--token-ids", "1,300",
+         "--max-tokens", "3", "--json"],
+        capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    frames = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [f["attempt"] for f in frames] == [1, 1, 1]
+    assert frames[-1]["finish_reason"] == "length"
+
+    app = create_app(
+        FrontendSettings(model_name=str(tiny_model), subject=subjects.generate, jetstream=True),
+        ModelTokenizer.load(tiny_model),
+        nc=client,
+    )
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://frontend", timeout=60
+    ) as http:
+        answer = await http.post(
+            "/v1/completions",
+            json={"model": str(tiny_model), "prompt": "Hi", "max_tokens": 4, "ignore_eos": True},
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["finish_reason"] == "length"
+    assert answer.json()["usage"]["completion_tokens"] == 4
+    state, consumer = await settled_state(client, subjects, settings)
+    assert state.messages == 0 and consumer.num_ack_pending == 0

@@ -2,7 +2,8 @@
 `messages` only: no vllm or torch).
 
 - `library.py`: `generate` / `complete` (core, with retry of refusals on other workers),
-  `jetstream_generate` / `jetstream_complete`, discovery of workers;
+  `jetstream_generate` / `jetstream_complete` / `jetstream_stream` (one attempt, for a user's
+  stream), discovery of workers;
 - `reader.py`: the one frame reader (seq order, the stop rule, probes skipped) and `fold`;
 - `__main__.py`: `python -m worker.client`.
 """
@@ -16,7 +17,9 @@ from worker.client.library import (
     generate,
     jetstream_complete,
     jetstream_generate,
+    jetstream_stream,
     stream_frames,
+    subjects_of,
     wait_for_worker,
 )
 from worker.client.reader import (
@@ -48,7 +51,9 @@ __all__ = [
     "is_probe",
     "jetstream_complete",
     "jetstream_generate",
+    "jetstream_stream",
     "read_frames",
     "stream_frames",
+    "subjects_of",
     "wait_for_worker",
 ]

@@ -24,7 +24,7 @@ from messages.errors import ErrorCode
 from messages.frames import ErrorInfo, ResponseFrame
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from messages.subjects import Subjects
-from worker.client.library import discover_workers, generate
+from worker.client.library import discover_workers, generate, jetstream_stream, subjects_of
 from worker.client.reader import FrameOrderError, RequestError
 from worker.nats.connection import ConnectFailed, connect
 from worker.nats.options import LOCAL_URL, add_nats_arguments, nats_config
@@ -70,6 +70,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--wire", choices=("msgpack", "json"), default="msgpack", help="the request's encoding"
+    )
+    parser.add_argument(
+        "--jetstream",
+        action="store_true",
+        help="publish to the JetStream work queue of --subject's workers (--mode jetstream): "
+        "<namespace>.<component>.queue.<endpoint>",
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait per frame")
     parser.add_argument(
@@ -130,14 +136,20 @@ async def _main(argv: list[str] | None) -> int:
     try:
         if args.wait > 0 and not await _wait_for_subject(nc, args.subject, args.wait):
             return _fail(f"error: no worker serves {args.subject} (waited {args.wait:g} s)")
-        frames = generate(
-            nc,
-            request,
-            subject=args.subject,
-            codec=JSON if args.wire == "json" else MSGPACK,
-            timeout=args.timeout,
-            retries=args.retries,
-        )
+        codec = JSON if args.wire == "json" else MSGPACK
+        if args.jetstream:
+            frames = jetstream_stream(
+                nc, request, subjects=subjects_of(args.subject), codec=codec, timeout=args.timeout
+            )
+        else:
+            frames = generate(
+                nc,
+                request,
+                subject=args.subject,
+                codec=codec,
+                timeout=args.timeout,
+                retries=args.retries,
+            )
         # Closed here, before the connection: printing may stop at an error frame.
         async with aclosing(_report_errors(frames, args.timeout)) as reported:
             return await _print(reported, args.json, tokenizer)

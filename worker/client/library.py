@@ -279,6 +279,45 @@ async def jetstream_generate(
         await subscription.unsubscribe()
 
 
+async def jetstream_stream(
+    nc: NATS,
+    request: GenerateRequest,
+    *,
+    subjects: Subjects | None = None,
+    codec: Codec = MSGPACK,
+    timeout: float = 60.0,
+) -> AsyncGenerator[ResponseFrame, None]:
+    """`jetstream_generate` for a caller that cannot take output back (a user's stream): the
+    frames of one attempt. When a newer attempt starts after frames were yielded (the worker
+    serving it died and the queue redelivered the request), RequestError `engine_error`
+    (retryable) ends it and the new attempt is cancelled."""
+    attempt = None
+    async with aclosing(
+        jetstream_generate(nc, request, subjects=subjects, codec=codec, timeout=timeout)
+    ) as frames:
+        async for frame in frames:
+            if attempt is None:
+                attempt = frame.attempt
+            elif frame.attempt != attempt:
+                raise RequestError(
+                    "engine_error",
+                    f"the worker serving attempt {attempt} died mid-answer and the queue "
+                    "redelivered the request; output already sent cannot be taken back: retry",
+                )
+            yield frame
+
+
+def subjects_of(generate_subject: str) -> Subjects:
+    """The Subjects of a generate subject `namespace.component.endpoint` (an instance subject's
+    too), e.g. for its JetStream queue subject."""
+    tokens = generate_subject.split(".")
+    if len(tokens) not in (3, 4):
+        raise ValueError(
+            f"not a generate subject (namespace.component.endpoint): {generate_subject}"
+        )
+    return Subjects(*tokens[:3])
+
+
 async def jetstream_complete(
     nc: NATS,
     request: GenerateRequest,

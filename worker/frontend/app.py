@@ -32,7 +32,7 @@ from messages.errors import kind
 from messages.frames import ResponseFrame
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from messages.subjects import Subjects
-from worker.client import FrameOrderError, RequestError, generate
+from worker.client import FrameOrderError, RequestError, generate, jetstream_stream, subjects_of
 from worker.frontend.openai_shapes import (
     ChatChoice,
     CompletionChoice,
@@ -61,6 +61,8 @@ class FrontendSettings:
     """Longest wait for the next frame."""
     retries: int = 2
     """Further attempts on other workers after a retryable refusal (overloaded, shutdown)."""
+    jetstream: bool = False
+    """Publish to the subject's JetStream work queue (workers in `--mode jetstream`)."""
 
 
 class OpenAIError(Exception):
@@ -286,16 +288,22 @@ def create_app(
     async def start(request: Request, generate_request: GenerateRequest) -> FrameSource:
         if "nc" not in state or not state["nc"].is_connected:
             raise OpenAIError(503, "not connected to NATS", "service_unavailable")
-        frames = _until_disconnected(
-            request,
-            generate(
+        if settings.jetstream:
+            source = jetstream_stream(
+                state["nc"],
+                generate_request,
+                subjects=subjects_of(settings.subject),
+                timeout=settings.timeout_s,
+            )
+        else:
+            source = generate(
                 state["nc"],
                 generate_request,
                 subject=settings.subject,
                 timeout=settings.timeout_s,
                 retries=settings.retries,
-            ),
-        )
+            )
+        frames = _until_disconnected(request, source)
         try:
             first = await anext(frames)
         except StopAsyncIteration:

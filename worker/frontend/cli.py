@@ -28,6 +28,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--served-model-name", help="the name clients send as `model` (default: --model)"
     )
     parser.add_argument("--subject", default=Subjects().generate, help="the generate subject")
+    parser.add_argument(
+        "--jetstream",
+        action="store_true",
+        help="publish requests to the JetStream work queue of --subject's workers (workers in "
+        "--mode jetstream) instead of the core subject",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait per frame")
@@ -66,6 +72,7 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
         subject=args.subject,
         timeout_s=args.timeout,
         retries=args.retries,
+        jetstream=args.jetstream,
     )
 
     async def connect() -> NATS:

@@ -17,12 +17,13 @@ from nats.aio.subscription import Subscription
 
 from messages.codec import codec_for
 from messages.subjects import SERVICE_NAME
-from worker.config import WorkerConfig
+from worker.config import JetStreamSettings, WorkerConfig
 from worker.engine.contract import Engine
 from worker.metrics import WorkerMetrics
 from worker.nats.compat import flush_ordered
 from worker.nats.discovery import Discovery, Endpoint
 from worker.nats.intake.core import CoreIntake
+from worker.nats.intake.jetstream import stream_name
 from worker.nats.liveness import Liveness, NatsReply
 from worker.service import SubjectStats, Worker
 
@@ -56,15 +57,16 @@ class NatsWorker(Worker):
     def reply(self, subject: str) -> NatsReply:
         return NatsReply(self.liveness, subject)
 
-    async def start(self, *, core_endpoints: bool = True) -> None:
-        """Subscribes and registers for discovery; `core_endpoints=False` when requests come
-        from JetStream instead. Once it returns, the server holds every subscription: a request
-        published right after (by a test, a supervisor, a client that saw the worker in
-        discovery) reaches this worker."""
+    async def start(self, *, jetstream: JetStreamSettings | None = None) -> None:
+        """Subscribes and registers for discovery. With `jetstream` requests come from that
+        work queue (a JetStreamIntake the caller starts) instead of the core subjects, and
+        discovery says so (metadata `mode`, `stream`, `consumer`, `queue_subject`). Once it
+        returns, the server holds every subscription: a request published right after (by a
+        test, a supervisor, a client that saw the worker in discovery) reaches this worker."""
         subjects = self.config.subjects
         config = self.config
         endpoints = []
-        if core_endpoints:
+        if jetstream is None:
             endpoints = [
                 Endpoint("generate", subjects.generate, config.queue_group, CONTENT_TYPES),
                 Endpoint(
@@ -81,17 +83,23 @@ class NatsWorker(Worker):
         # Cancels go to every worker (no queue group): only the one serving the request acts.
         self._cancel_subscription = await self.nc.subscribe(subjects.cancel, cb=self._on_cancel)
         self._prober = asyncio.create_task(self.liveness.run())
-        self.service = Discovery(
-            self.nc, self._metadata(), endpoints, self._subject_stats, self.stats_data
-        )
+        metadata = self._metadata()
+        if jetstream is None:
+            metadata["mode"] = "core"
+            serving = ", ".join(f"{e.subject} (queue {e.queue_group})" for e in endpoints)
+        else:
+            stream = stream_name(subjects, jetstream)
+            metadata.update(
+                mode="jetstream",
+                stream=stream,
+                consumer=jetstream.durable,
+                queue_subject=subjects.queue,
+            )
+            serving = f"JetStream stream {stream} (consumer {jetstream.durable}, {subjects.queue})"
+        self.service = Discovery(self.nc, metadata, endpoints, self._subject_stats, self.stats_data)
         await self.service.start()
         await flush_ordered(self.nc)
-        log.info(
-            "serving %s as %s id %s",
-            ", ".join(f"{e.subject} (queue {e.queue_group})" for e in endpoints) or "no subject",
-            SERVICE_NAME,
-            self.service.id,
-        )
+        log.info("serving %s as %s id %s", serving, SERVICE_NAME, self.service.id)
 
     def _subject_stats(self, subject: str) -> SubjectStats:
         return self.stats.get(subject) or SubjectStats()
