@@ -243,6 +243,29 @@ def _imported(path: Path) -> set[str]:
     return names
 
 
+def test_text_holds_back_incomplete_utf8_and_drops_it_at_the_end() -> None:
+    """As vLLM's incremental detokenizer: a character split over byte tokens appears whole, a
+    length cut inside one leaves no U+FFFD, lone bytes at the end give "" (vLLM: ""), lone bytes
+    that text follows stay U+FFFD."""
+    from worker.frontend.tokenizer import ModelTokenizer
+
+    pieces = ["a", "<0xE4>", "<0xB8>", "<0xAD>", "<0x85>", "</s>"]
+    values = [b"a", b"\xe4", b"\xb8", b"\xad", b"\x85", b""]
+    tokenizer = ModelTokenizer(None, TokenTable(pieces, values), frozenset({5}))
+
+    def decode(ids: list[int]) -> tuple[list[str], str]:
+        decoder = tokenizer.text_decoder()
+        deltas = [decoder.feed(i) for i in ids]
+        deltas.append(decoder.finish())
+        assert "".join(deltas) == decoder.text
+        return deltas, decoder.text
+
+    assert decode([0, 1, 2, 3]) == (["a", "", "", "\u4e2d", ""], "a\u4e2d")
+    assert decode([0, 1, 2]) == (["a", "", "", ""], "a")  # cut inside the character
+    assert decode([4, 4, 4]) == (["", "", "", ""], "")  # a prompt of lone byte tokens
+    assert decode([4, 0, 5]) == (["", "\ufffda", "", ""], "\ufffda")
+
+
 def test_only_the_engine_package_imports_vllm() -> None:
     engine = ROOT / "worker" / "engine"
     offenders = [

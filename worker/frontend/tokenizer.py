@@ -60,24 +60,36 @@ class ModelTokenizer:
         return TextDecoder(self)
 
 
+_REPLACEMENT = "\ufffd"
+
+
 class TextDecoder:
-    """Token ids → text, incrementally. A multi-byte character split over byte-fallback tokens
-    appears once its last byte arrived; bytes that never complete a character become U+FFFD at
-    `finish()`, the only place that can know they never will."""
+    """Token ids → text, incrementally, as vLLM's incremental detokenizer gives it.
+
+    A multi-byte character split over byte-fallback tokens appears once its last byte arrived.
+    Text that ends in U+FFFD (bytes that are not UTF-8 on their own, which later bytes may still
+    explain) is held back until something that is not U+FFFD follows; what is still held when
+    the answer ends (a length cut inside a character, a prompt of lone byte tokens) is dropped,
+    never sent as U+FFFD, as vLLM drops it.
+    """
 
     def __init__(self, tokenizer: ModelTokenizer) -> None:
         self._tokenizer = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""
         self.text = ""
 
     def feed(self, token_id: int) -> str:
         if token_id in self._tokenizer.special_ids:
             return ""
-        delta = self._utf8.decode(self._tokenizer.token_bytes(token_id))
-        self.text += delta
-        return delta
+        pending = self._held + self._utf8.decode(self._tokenizer.token_bytes(token_id))
+        kept = pending.rstrip(_REPLACEMENT)
+        self._held = pending[len(kept) :]
+        self.text += kept
+        return kept
 
     def finish(self) -> str:
-        delta = self._utf8.decode(b"", final=True)
-        self.text += delta
-        return delta
+        """The end of the text: bytes and U+FFFD still held back are dropped."""
+        self._utf8.reset()
+        self._held = ""
+        return ""
