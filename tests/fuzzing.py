@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from messages.codec import JSON, MSGPACK
+from messages.codec import JSON, MSGPACK, codec_for
 from worker.validation import check_request
 
 _BASE = {"request_id": "fuzz", "token_ids": [1, 2, 3]}
@@ -68,6 +68,16 @@ def _deeply_nested(draw, payload: dict, as_json: bool) -> bytes:
 
 @st.composite
 def hostile_payloads(draw) -> tuple[bytes, bool]:
+    """(payload, json): `json` is how the worker reads it and answers. The payload is sent with
+    the JSON Content-Type when `json` was drawn, else with none; without one, a body that starts
+    like a JSON object (`{` or JSON whitespace) is read as JSON (messages.codec.codec_for), so
+    `json` is set for it too: its error frame comes back in JSON."""
+    data, as_json = draw(_hostile_payload())
+    return data, as_json or codec_for(None, data) is JSON
+
+
+@st.composite
+def _hostile_payload(draw) -> tuple[bytes, bool]:
     as_json = draw(st.booleans())
     kind = draw(st.sampled_from(["bytes", "mutate", "mutate", "mutate", "huge", "deep"]))
     if kind == "bytes":
