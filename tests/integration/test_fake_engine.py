@@ -7,11 +7,14 @@ synthetic engine on the wire, and how the client reader tells probes from frames
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import msgspec
 import nats
 import pytest
+from nats.aio.subscription import Subscription
 from prometheus_client import CollectorRegistry
 
 from messages.codec import JSON, MSGPACK
@@ -107,23 +110,29 @@ async def test_time_to_first_token_counts_from_the_messages_arrival(nats_server)
         await worker_nc.close()
 
 
+@contextlib.asynccontextmanager
+async def synthetic_worker(nats_server, client, subjects: Subjects) -> AsyncIterator[Subscription]:
+    """A worker on the synthetic engine serving `subjects`, and a reply subscription of
+    `client`'s (its subject is the subscription's); both gone afterwards."""
+    config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects)
+    nc = await connect(config.nats)
+    worker = NatsWorker(SyntheticFastEngine(), nc, config)
+    await worker.start()
+    subscription = await client.subscribe(client.new_inbox())
+    try:
+        yield subscription
+    finally:
+        await subscription.unsubscribe()
+        await worker.stop()
+        await nc.close()
+
+
 async def test_synthetic_engine_frames_follow_the_wire_contract(nats_server, client) -> None:
-    from worker.nats.connection import connect
-    from worker.nats.worker import NatsWorker
+    from bench.load import make_request
 
     subjects = Subjects("synth", "vllm", "generate")
-    nc = await connect(NatsConfig(servers=[nats_server.url]))
-    worker = NatsWorker(
-        SyntheticFastEngine(),
-        nc,
-        WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects),
-    )
-    await worker.start()
-    inbox = client.new_inbox()
-    subscription = await client.subscribe(inbox)
-    try:
-        from bench.load import make_request
-
+    async with synthetic_worker(nats_server, client, subjects) as subscription:
+        inbox = subscription.subject
         request = make_request([5, 6, 7], 4, 5)
         await client.publish(subjects.generate, MSGPACK.encode(request), reply=inbox)
         maps = [msgspec.msgpack.decode(d) async for d in raw_frames(subscription, timeout=10)]
@@ -133,26 +142,14 @@ async def test_synthetic_engine_frames_follow_the_wire_contract(nats_server, cli
             assert len(m["token_ids"]) == len(m["log_probs"]) == len(m["top_logprobs"]) == 1
             assert [row["rank"] for row in m["top_logprobs"][0]] == [1, 2, 3, 4, 5]
         assert maps[-1]["completion_usage"]["completion_tokens"] == 4
-    finally:
-        await subscription.unsubscribe()
-        await worker.stop()
-        await nc.close()
 
 
 async def test_a_json_request_without_content_type_is_answered_in_json(nats_server, client) -> None:
     """What `nats req SUBJECT '{...}'` sends without `-H Content-Type:application/json`: the
     worker takes the body as JSON and answers in JSON (was a msgpack error reply)."""
     subjects = Subjects("rawjson", "vllm", "generate")
-    nc = await connect(NatsConfig(servers=[nats_server.url]))
-    worker = NatsWorker(
-        SyntheticFastEngine(),
-        nc,
-        WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects),
-    )
-    await worker.start()
-    inbox = client.new_inbox()
-    subscription = await client.subscribe(inbox)
-    try:
+    async with synthetic_worker(nats_server, client, subjects) as subscription:
+        inbox = subscription.subject
         body = (
             b'{"request_id": "raw-1", "token_ids": [5, 6], '
             b'"stop_conditions": {"max_tokens": 3}, "output_options": {"logprobs": 1}}'
@@ -168,10 +165,6 @@ async def test_a_json_request_without_content_type_is_answered_in_json(nats_serv
         assert error["finish_reason"] == "error"
         assert error["error"]["code"] == "invalid_request"
         assert "token_ids" in error["error"]["message"], error
-    finally:
-        await subscription.unsubscribe()
-        await worker.stop()
-        await nc.close()
 
 
 async def test_probes_are_skipped_by_their_header_and_an_empty_reply_is_an_error(
