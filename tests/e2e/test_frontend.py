@@ -371,6 +371,21 @@ async def test_completions_match_vllm_server(
         ("/completions", {"prompt": [1, 5000]}, 400, None, "vocab"),
         ("/completions", {"prompt": "Hi", "max_tokens": 600}, 400, None, "max_model_len"),
         ("/completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model", "does not exist"),
+        # Never silently ignored: what cannot be honoured is a 400 naming the field.
+        ("/chat/completions", {"messages": CHAT, "guided_json": {"type": "object"}}, 400,
+         "guided_json", "guided_json: not supported by this frontend"),
+        ("/chat/completions", {"messages": CHAT, "structured_outputs": {"json": {}}}, 400,
+         "structured_outputs", "not supported by this frontend"),
+        ("/completions", {"prompt": "Hi", "prompt_logprobs": 2}, 400, "prompt_logprobs",
+         "echo with logprobs"),
+        ("/completions", {"prompt": "Hi", "skip_special_tokens": False}, 400,
+         "skip_special_tokens", "only true is supported"),
+        ("/completions", {"prompt": "Hi", "include_stop_str_in_output": True}, 400,
+         "include_stop_str_in_output", "stop strings are not supported"),
+        ("/completions", {"prompt": "Hi", "made_up_field": 1}, 400, "made_up_field",
+         "not supported by this frontend"),
+        ("/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}},
+         400, "chat_template_kwargs", "tokenize are set by the frontend"),
     ],
     ids=lambda value: value if isinstance(value, str) and not value.startswith("/") else None,
 )  # fmt: skip
@@ -390,6 +405,38 @@ async def test_bad_requests_get_openai_errors(
             json={"model": str(tiny_model), "prompt": "Hi", "max_tokens": 2},
         )
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+async def test_vllm_extras_are_honoured_not_ignored(frontend, tiny_model) -> None:
+    """stop_token_ids ends the answer at that token (finish_reason stop), chat_template_kwargs
+    reach the template, OpenAI's bookkeeping fields are accepted."""
+    body = {"model": str(tiny_model), "prompt": [1, 300, 301], "max_tokens": 8}
+    body["ignore_eos"] = True
+    body["logprobs"] = 1
+    plain = await post(frontend, "/completions", body)
+    tokens = plain["choices"][0]["logprobs"]["tokens"]
+    assert plain["choices"][0]["finish_reason"] == "length" and len(tokens) == 8
+    # Stop at the 3rd generated token's id (any id with its text: the first such ends it).
+    tokenizer = ModelTokenizer.load(tiny_model)
+    ids = [i for i in range(len(tokenizer.table)) if tokenizer.token_text(i) == tokens[2]]
+    stopped = await post(frontend, "/completions", {**body, "stop_token_ids": ids})
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["tokens"] == tokens[: tokens.index(tokens[2]) + 1]
+    chat = await post(
+        frontend,
+        "/chat/completions",
+        {
+            "model": str(tiny_model),
+            "messages": CHAT,
+            "max_tokens": 2,
+            "chat_template_kwargs": {"unused_variable": True},
+            "user": "u-1",
+            "metadata": {"run": "eval"},
+            "store": False,
+        },
+    )
+    assert chat["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 async def test_malformed_json_is_a_400(frontend) -> None:

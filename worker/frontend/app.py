@@ -104,6 +104,13 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     # Union members add their type name to the path (`prompt.str`): not part of the field.
     location = [part for part in location if part not in ("str", "list[int]", "function-after")]
     param = ".".join(location) or None
+    if error.get("type") == "extra_forbidden" and param:
+        return OpenAIError(
+            400,
+            f"{param}: not supported by this frontend (unknown here, so refused, not ignored)",
+            "invalid_request_error",
+            param,
+        )
     message = f"{param}: {error.get('msg')}" if param else str(error.get("msg"))
     if "input" in error and param:
         message += f" (got {json.dumps(error['input'], default=str)[:100]})"
@@ -347,7 +354,10 @@ def create_app(
             token_ids=prompt_ids,
             sampling_options=_sampling(body),
             stop_conditions=StopConditions(
-                max_tokens=body.max_tokens, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos
+                max_tokens=body.max_tokens,
+                min_tokens=body.min_tokens,
+                ignore_eos=body.ignore_eos,
+                stop_token_ids=body.stop_token_ids,
             ),
             output_options=OutputOptions(
                 logprobs=k, prompt_logprobs=k if body.echo and k is not None else None
@@ -403,7 +413,7 @@ def create_app(
         check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt_ids = tokenizer.encode_chat(messages)
+            prompt_ids = tokenizer.encode_chat(messages, body.chat_template_kwargs or {})
         except ChatTemplateMissing as error:
             raise OpenAIError(
                 400, f"messages: {error}", "invalid_request_error", "messages"
@@ -421,7 +431,10 @@ def create_app(
             token_ids=prompt_ids,
             sampling_options=_sampling(body),
             stop_conditions=StopConditions(
-                max_tokens=body.token_limit, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos
+                max_tokens=body.token_limit,
+                min_tokens=body.min_tokens,
+                ignore_eos=body.ignore_eos,
+                stop_token_ids=body.stop_token_ids,
             ),
             output_options=OutputOptions(logprobs=k),
         )

@@ -1,11 +1,14 @@
 """OpenAI request bodies and their rules (pydantic; FastAPI turns a broken rule into a 400 that
 names the field, see app.py).
 
-Fields this frontend cannot honour are refused with a clear error rather than ignored, as the
-worker does on the wire: stop strings, `best_of`, `suffix`, `logit_bias`, tools and response
-formats. Unknown fields are ignored (clients send extras). Besides OpenAI's fields, vLLM's
-sampling extras `top_k`, `min_p`, `repetition_penalty`, `min_tokens` and `ignore_eos` are
-accepted, so requests written for vLLM's server work here too.
+Every field is honoured or refused with a 400 that names it, never silently ignored, as the
+worker does on the wire: stop strings, `best_of`, `suffix`, `logit_bias`, tools, response
+formats, `prompt_logprobs`, `skip_special_tokens: false`, guided decoding and any field not
+declared here are refused (`extra="forbid"`). Besides OpenAI's fields, vLLM's sampling extras
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and (chat)
+`chat_template_kwargs` are honoured, so requests written for vLLM's server work here too.
+OpenAI's bookkeeping fields that do not change an answer (`user`, `metadata`, `store`,
+`service_tier`) are accepted.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """What both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     n: Annotated[int, Field(ge=1, le=16)] = 1
@@ -49,17 +52,37 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # vLLM's extras.
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
         if self.stop:
             raise InvalidField("stop", "stop strings are not supported by this frontend")
+        if self.include_stop_str_in_output:
+            raise InvalidField(
+                "include_stop_str_in_output", "stop strings are not supported by this frontend"
+            )
+        if not self.skip_special_tokens:
+            raise InvalidField(
+                "skip_special_tokens", "only true is supported (special tokens leave the text)"
+            )
+        if self.prompt_logprobs is not None:
+            raise InvalidField(
+                "prompt_logprobs",
+                "not supported by this frontend (completions: echo with logprobs)",
+            )
         if self.logit_bias:
             raise InvalidField("logit_bias", "not supported by this frontend")
         if self.stream_options is not None and not self.stream:
@@ -116,6 +139,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -125,6 +149,11 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidField("tools", "not supported by this frontend")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise InvalidField("response_format", "only {'type': 'text'} is supported")
+        taken = {"add_generation_prompt", "tokenize", "conversation", "messages"}
+        if clash := sorted(taken & set(self.chat_template_kwargs or {})):
+            raise InvalidField(
+                "chat_template_kwargs", f"{', '.join(clash)} are set by the frontend"
+            )
         return self
 
     @property

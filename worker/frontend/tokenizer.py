@@ -40,13 +40,16 @@ class ModelTokenizer:
         """Completions: special tokens added the way the tokenizer's own config says (vLLM too)."""
         return list(self.tokenizer(text).input_ids)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         """The chat template rendered with the assistant's generation prompt, then encoded
-        without extra special tokens: the template already holds them (vLLM does the same)."""
+        without extra special tokens: the template already holds them (vLLM does the same).
+        `template_kwargs`: the request's `chat_template_kwargs`, variables of the template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateMissing("the model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
         )
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
