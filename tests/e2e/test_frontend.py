@@ -416,13 +416,14 @@ async def test_vllm_extras_are_honoured_not_ignored(frontend, tiny_model) -> Non
     plain = await post(frontend, "/completions", body)
     tokens = plain["choices"][0]["logprobs"]["tokens"]
     assert plain["choices"][0]["finish_reason"] == "length" and len(tokens) == 8
-    # Stop at the 3rd generated token's id (any id with its text: the first such ends it).
-    tokenizer = ModelTokenizer.load(tiny_model)
-    ids = [i for i in range(len(tokenizer.table)) if tokenizer.token_text(i) == tokens[2]]
-    stopped = await post(frontend, "/completions", {**body, "stop_token_ids": ids})
+    # Every id a stop token: the first generated token ends the answer, whatever it is (two
+    # greedy runs of this random model need not agree token for token: near-ties, prefix cache).
+    vocab = len(ModelTokenizer.load(tiny_model).table)
+    stopped = await post(frontend, "/completions", {**body, "stop_token_ids": list(range(vocab))})
     choice = stopped["choices"][0]
     assert choice["finish_reason"] == "stop"
-    assert choice["logprobs"]["tokens"] == tokens[: tokens.index(tokens[2]) + 1]
+    assert len(choice["logprobs"]["tokens"]) == 1
+    assert stopped["usage"]["completion_tokens"] == 1
     chat = await post(
         frontend,
         "/chat/completions",
