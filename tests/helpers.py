@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
 from messages.codec import MSGPACK
-from messages.frames import TopLogprob
+from messages.frames import ResponseFrame, TopLogprob
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from messages.subjects import REPLY_HEADER, Subjects
 from worker.client import RequestEnd, frame_payloads
@@ -158,6 +159,25 @@ async def read_until(stream, pattern: str, lines: list[str], timeout: float) -> 
             return match
     waited = timeout - max(0.0, deadline - time.monotonic())
     raise AssertionError(f"no {pattern!r} in output after {waited:.0f} s:\n{''.join(lines[-60:])}")
+
+
+async def sigterm_mid_stream(
+    proc: asyncio.subprocess.Process, frames: AsyncIterator[ResponseFrame], timeout: float = 60.0
+) -> list[ResponseFrame]:
+    """Every frame of one request, with SIGTERM sent to `proc` once its first frame arrived (a
+    draining worker lets a request in flight finish)."""
+    seen: list[ResponseFrame] = []
+
+    async def read() -> None:
+        async for frame in frames:
+            seen.append(frame)
+
+    reading = asyncio.create_task(read())
+    while not seen and not reading.done():
+        await asyncio.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(reading, timeout)
+    return seen
 
 
 async def collect(stream, lines: list[str]) -> None:

@@ -32,6 +32,7 @@ from worker.config import (
     ENVIRONMENT,
     JetStreamSettings,
     WorkerConfig,
+    at_least_one,
     default,
     environment,
 )
@@ -66,13 +67,6 @@ class Option:
         return self.flag.lstrip("-").replace("-", "_")
 
 
-def _at_least_one(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
-
-
 OPTIONS: list[Option] = [
     Option("--namespace", Subjects, "namespace", "first subject token"),
     Option("--component", Subjects, "component", "second subject token"),
@@ -97,7 +91,7 @@ OPTIONS: list[Option] = [
         "connection in the queue group (vLLM's front-end scale-out, vLLM 0.24 and 0.32+); "
         "default 1, as vllm serve's --api-server-count; 4 on a GPU host under high "
         "concurrency (README: Worker processes)",
-        _at_least_one,
+        at_least_one,
     ),
     Option(
         "--max-concurrency",

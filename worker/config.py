@@ -6,6 +6,7 @@ place the process environment is read; library code never reads or writes it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import uuid
 from collections.abc import Mapping
@@ -52,6 +53,14 @@ def dev_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
         return Path(environ["VLLM_NATS_WORKER_CACHE"])
     cache = environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return Path(cache) / "vllm-nats-worker"
+
+
+def at_least_one(text: str) -> int:
+    """The command-line type of a count that must be >= 1 (worker and frontend processes)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def default(cls: type, name: str) -> Any:

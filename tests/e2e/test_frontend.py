@@ -588,7 +588,7 @@ async def test_frontend_processes_share_one_port_and_stop_as_one(
     whole frontend non-zero."""
     import psutil
 
-    from tests.helpers import read_until
+    from tests.helpers import collect, read_until
 
     async def start() -> tuple[asyncio.subprocess.Process, str, list[str]]:
         process = await asyncio.create_subprocess_exec(
@@ -615,7 +615,7 @@ async def test_frontend_processes_share_one_port_and_stop_as_one(
             return answer.json()
 
     process, base, lines = await start()
-    output = asyncio.create_task(collect_lines(process, lines))
+    output = asyncio.create_task(collect(process.stdout, lines))
     try:
         answers = await asyncio.gather(*(complete(base, i) for i in range(24)))
         assert [a["choices"][0]["finish_reason"] for a in answers] == ["length"] * 24
@@ -636,7 +636,7 @@ async def test_frontend_processes_share_one_port_and_stop_as_one(
 
     # A dead process ends the whole frontend, never half of it.
     process, base, lines = await start()
-    output = asyncio.create_task(collect_lines(process, lines))
+    output = asyncio.create_task(collect(process.stdout, lines))
     try:
         children = psutil.Process(process.pid).children()
         frontends = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
@@ -651,9 +651,3 @@ async def test_frontend_processes_share_one_port_and_stop_as_one(
         if process.returncode is None:
             process.kill()
             await process.wait()
-
-
-async def collect_lines(process: asyncio.subprocess.Process, lines: list[str]) -> None:
-    assert process.stdout is not None
-    while line := await process.stdout.readline():
-        lines.append(line.decode(errors="replace"))

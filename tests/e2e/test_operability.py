@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import signal
 import sys
 import time
 import urllib.request
@@ -26,6 +25,7 @@ from tests.helpers import (
     exchange,
     make_request,
     read_until,
+    sigterm_mid_stream,
     start_cli_worker,
     subprocess_env,
 )
@@ -271,18 +271,8 @@ async def test_cli_worker_serves_with_engine_args_and_drains_on_sigterm(
         )
 
         # SIGTERM with a request in flight: it finishes (drain), then the worker exits 0.
-        frames = []
-
-        async def long_request() -> None:
-            request = make_request("cli-long", PROMPT, max_tokens=120)
-            async for data in _frames(client, subject, request):
-                frames.append(data)
-
-        in_flight = asyncio.create_task(long_request())
-        while not frames:
-            await asyncio.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(in_flight, 60)
+        long = make_request("cli-long", PROMPT, max_tokens=120)
+        frames = await sigterm_mid_stream(proc, _frames(client, subject, long))
         assert frames[-1].finish_reason == "length"
         assert sum(len(f.token_ids) for f in frames) == 120
         assert await asyncio.wait_for(proc.wait(), 60) == 0

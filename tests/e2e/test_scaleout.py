@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from messages.subjects import Subjects
-from tests.helpers import make_request, read_until, start_cli_worker
+from tests.helpers import collect, make_request, read_until, sigterm_mid_stream, start_cli_worker
 from worker.client import complete, discover_workers, generate
 
 PROMPT = [1, 300, 301, 302]
@@ -57,11 +57,6 @@ async def _start(nats_server, tiny_model, namespace: str, lines: list[str]):
     return proc
 
 
-async def _drain_output(proc, lines: list[str]) -> None:
-    while line := await proc.stdout.readline():
-        lines.append(line.decode(errors="replace"))
-
-
 def _kill_group(proc) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -72,7 +67,7 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
 ) -> None:
     lines: list[str] = []
     proc = await _start(nats_server, tiny_model, "mp", lines)
-    output = asyncio.create_task(_drain_output(proc, lines))
+    output = asyncio.create_task(collect(proc.stdout, lines))
     subjects = Subjects("mp", "vllm", "generate")
     try:
         workers = await discover_workers(client, subjects.generate, window=1.0)
@@ -105,19 +100,8 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
 
         # SIGTERM to the parent alone: every process drains (a request in flight finishes),
         # then the worker exits 0.
-        frames = []
-
-        async def long_request() -> None:
-            async for frame in generate(
-                client, make_request("mp-long", PROMPT, max_tokens=200), subject=subjects.generate
-            ):
-                frames.append(frame)
-
-        running = asyncio.create_task(long_request())
-        while not frames:
-            await asyncio.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(running, 60)
+        long = make_request("mp-long", PROMPT, max_tokens=200)
+        frames = await sigterm_mid_stream(proc, generate(client, long, subject=subjects.generate))
         assert frames[-1].finish_reason == "length"
         assert sum(len(f.token_ids) for f in frames) == 200
         assert await asyncio.wait_for(proc.wait(), 60) == 0
@@ -134,7 +118,7 @@ async def test_a_dead_worker_process_ends_the_whole_worker_non_zero(
 ) -> None:
     lines: list[str] = []
     proc = await _start(nats_server, tiny_model, "mpdead", lines)
-    output = asyncio.create_task(_drain_output(proc, lines))
+    output = asyncio.create_task(collect(proc.stdout, lines))
     try:
         children = _worker_processes(proc.pid)
         assert len(children) == 2, [c.cmdline() for c in children]
@@ -187,7 +171,7 @@ async def test_two_processes_pull_one_jetstream_work_queue(nats_server, tiny_mod
         for _ in range(2):
             left = deadline - time.monotonic()
             await read_until(proc.stdout, r"vllm-nats-worker ready:.*\(jetstream\)", lines, left)
-        output = asyncio.create_task(_drain_output(proc, lines))
+        output = asyncio.create_task(collect(proc.stdout, lines))
         results = await asyncio.gather(
             *(
                 jetstream_complete(

@@ -29,9 +29,6 @@ from worker.client.reader import FrameOrderError, RequestError
 from worker.nats.connection import ConnectFailed, connect
 from worker.nats.options import LOCAL_URL, add_nats_arguments, nats_config
 
-START_ATTEMPTS = 2
-"""Connection attempts per server: a wrong URL is one line at once, not endless retries."""
-
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -130,7 +127,9 @@ async def _main(argv: list[str] | None) -> int:
         output_options=OutputOptions(logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs),
     )
     try:
-        nc = await connect(nats_config(args, name="vllm-nats-client"), attempts=START_ATTEMPTS)
+        # Bounded attempts (NatsConfig.start_attempts): a wrong URL is one line, not retries.
+        config = nats_config(args, name="vllm-nats-client")
+        nc = await connect(config, attempts=config.start_attempts)
     except ConnectFailed as error:
         return _fail(f"error: {error}")
     try:

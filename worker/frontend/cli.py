@@ -10,9 +10,8 @@ import socket
 import sys
 
 from messages.subjects import Subjects
+from worker.config import at_least_one
 from worker.nats.options import LOCAL_URL, add_nats_arguments, nats_config
-
-START_ATTEMPTS = 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,20 +41,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--processes",
-        type=_at_least_one,
+        type=at_least_one,
         default=1,
         help="frontend processes on the port, each with its own event loop, tokenizer and NATS "
         "connection (worker/frontend/processes.py); default 1",
     )
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
@@ -92,7 +84,8 @@ async def _check_nats(args: argparse.Namespace) -> str | None:
     from worker.nats.connection import ConnectFailed, connect
 
     try:
-        nc = await connect(nats_config(args), attempts=START_ATTEMPTS)
+        config = nats_config(args)
+        nc = await connect(config, attempts=config.start_attempts)
     except ConnectFailed as error:
         return str(error)
     await nc.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from worker.config import ENVIRONMENT, NatsConfig, environment
+from worker.config import ENVIRONMENT, NatsConfig, default, environment
 
 # (flag, NatsConfig field, help). --nats-url fills `servers`: a comma-separated list.
 NATS_FLAGS: list[tuple[str, str, str]] = [
@@ -26,7 +26,8 @@ NATS_FLAGS: list[tuple[str, str, str]] = [
     ("--tls-key", "tls_key", "client key"),
 ]
 
-LOCAL_URL = "nats://127.0.0.1:4222"
+LOCAL_URL = ",".join(default(NatsConfig, "servers"))
+"""The client's and frontend's default URL: NatsConfig's own."""
 
 
 def servers(value: str) -> list[str]:
