@@ -253,7 +253,13 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         async def one(i: int):
             request_id = f"kill-{i}"
             request = make_request(
-                request_id, [1, 70 + i, 300], max_tokens=450, n=8, temperature=1.0, seed=i
+                request_id,
+                [1, 70 + i, 300],
+                max_tokens=450,
+                n=8,
+                temperature=1.0,
+                seed=i,
+                logprobs=5,
             )
             frames = []
             async for frame in jetstream_generate(client, request, subjects=subjects, timeout=60):
@@ -291,6 +297,7 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
             finals = {}
             for frame in frames:
                 assert frame.attempt == 2
+                assert len(frame.log_probs) == len(frame.top_logprobs) == len(frame.token_ids)
                 tokens[frame.index] += len(frame.token_ids)
                 if frame.finish_reason is not None:
                     finals[frame.index] = frame.finish_reason
