@@ -71,5 +71,8 @@ class ResponseFrame(msgspec.Struct, kw_only=True):
     prompt_log_probs: list[float | None] | UnsetType = UNSET
     prompt_top_logprobs: list[list[TopLogprob] | None] | UnsetType = UNSET
     finish_reason: FinishReason | None = None
+    # With finish_reason "stop" only: the stop string the text matched, or the stop token id the
+    # choice ended on (as vLLM's `stop_reason`). Absent for "eos" and every other reason.
+    stop_reason: str | int | UnsetType = UNSET
     completion_usage: Usage | UnsetType = UNSET
     error: ErrorInfo | UnsetType = UNSET

@@ -27,6 +27,8 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 # Finite: msgpack can carry inf and NaN, which no sampling parameter means (NaN fails ge anyway).
 FLOAT_MAX = sys.float_info.max
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0, le=FLOAT_MAX)]
+# vLLM refuses an empty stop string ("stop cannot contain an empty string").
+StopString = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -58,8 +60,13 @@ class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Dynamo's frontends send their stop tokens under this name; merged with stop_token_ids.
     stop_token_ids_hidden: list[TokenId] | None = None
     ignore_eos: bool | None = None
-    # Stop strings need detokenization, which this worker leaves to the frontend: refused if set.
-    stop: list[str] | None = None
+    # Stop strings, matched by vLLM on its own detokenized text (as `vllm serve`): the choice
+    # ends at the token that completes the first match, finish_reason "stop", its final frame's
+    # `stop_reason` the matched string. The tokens (and logprobs) sent include that token; where
+    # the text is cut is the frontend's business (without the string unless
+    # include_stop_str_in_output).
+    stop: list[StopString] | None = None
+    include_stop_str_in_output: bool | None = None
 
 
 class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -176,6 +176,8 @@ class RequestSession:
                     if choice.finish_reason is not None:
                         generated = self._generated[choice.index]
                         frame.finish_reason = choice.finish_reason
+                        if choice.stop_reason is not None:
+                            frame.stop_reason = choice.stop_reason
                         frame.completion_usage = Usage(
                             prompt_tokens, generated, prompt_tokens + generated
                         )

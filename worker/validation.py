@@ -50,11 +50,6 @@ def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
         raise InvalidRequest("sampling_options.use_beam_search", "beam search is not supported")
     if sampling.guided_decoding is not None:
         raise InvalidRequest("sampling_options.guided_decoding", "guided decoding is not supported")
-    if stop.stop:
-        raise InvalidRequest(
-            "stop_conditions.stop",
-            "stop strings are not supported: the frontend applies them, or send stop_token_ids",
-        )
     for field, k in (
         ("output_options.logprobs", output.logprobs),
         ("output_options.prompt_logprobs", output.prompt_logprobs),

@@ -339,11 +339,11 @@ BAD_INPUTS = [
         "prompt (3) + max_tokens (510) must be <= max_model_len 512",
     ),
     (
-        "stop-strings",
-        msgspec.msgpack.encode(_req(stop_conditions={"stop": ["\n"]})),
+        "empty-stop-string",
+        msgspec.msgpack.encode(_req(stop_conditions={"stop": ["\n", ""]})),
         False,
-        "stop_conditions.stop",
-        "stop strings are not supported",
+        "$.stop_conditions.stop[1]",
+        "length >= 1",
     ),
     (
         "beam-search",

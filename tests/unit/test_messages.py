@@ -39,6 +39,8 @@ FULL_REQUEST = {
         "min_tokens": 1,
         "stop_token_ids": [9],
         "ignore_eos": True,
+        "stop": ["\n\n", "END"],
+        "include_stop_str_in_output": True,
     },
     "output_options": {"logprobs": 5, "prompt_logprobs": 2},
     "eos_token_ids": [2],
@@ -70,6 +72,7 @@ def test_request_fields_by_dynamo_names(codec) -> None:
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.1, 0.2, 1.1)
     c = request.stop_conditions
     assert (c.max_tokens, c.min_tokens, c.stop_token_ids, c.ignore_eos) == (8, 1, [9], True)
+    assert (c.stop, c.include_stop_str_in_output) == (["\n\n", "END"], True)
     assert (request.output_options.logprobs, request.output_options.prompt_logprobs) == (5, 2)
     assert request.eos_token_ids == [2]
     assert request.annotations == ["a"]
@@ -90,6 +93,13 @@ def test_request_fields_by_dynamo_names(codec) -> None:
         ({"sampling_options": {"temperature": -1}}, "$.sampling_options.temperature", ">= 0.0"),
         ({"sampling_options": {"top_p": 0}}, "$.sampling_options.top_p", "> 0.0"),
         ({"stop_conditions": {"max_tokens": 0}}, "$.stop_conditions.max_tokens", ">= 1"),
+        ({"stop_conditions": {"stop": ["a", ""]}}, "$.stop_conditions.stop[1]", "length >= 1"),
+        ({"stop_conditions": {"stop": "a"}}, "$.stop_conditions.stop", "Expected `array"),
+        (
+            {"stop_conditions": {"include_stop_str_in_output": 1}},
+            "$.stop_conditions.include_stop_str_in_output",
+            "Expected `bool",
+        ),
         ({"request_id": 5}, "$.request_id", "Expected `str`"),
         ({"request_id": ""}, "$.request_id", "length >= 1"),
     ],
@@ -140,6 +150,16 @@ def test_frame_is_a_map_with_wire_names_and_absent_optionals() -> None:
         "total_tokens": 4,
     }
     assert "error" not in wire and "prompt_log_probs" not in wire
+    assert "stop_reason" not in wire
+
+
+@pytest.mark.parametrize("stop_reason", ["END", 0, 9])
+def test_stop_reason_is_a_string_or_a_token_id_on_the_final_frame(stop_reason) -> None:
+    final = ResponseFrame(request_id="r", seq=1, finish_reason="stop", stop_reason=stop_reason)
+    for codec, decode in ((MSGPACK, msgspec.msgpack.decode), (JSON, msgspec.json.decode)):
+        wire = decode(codec.encode(final))
+        assert (wire["finish_reason"], wire["stop_reason"]) == ("stop", stop_reason)
+        assert codec.decode_frame(codec.encode(final)).stop_reason == stop_reason
 
 
 def test_finish_reasons_spelled() -> None:

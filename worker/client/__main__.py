@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import msgspec
 import nats.errors
+from msgspec import UNSET
 
 from messages.codec import JSON, MSGPACK
 from messages.errors import ErrorCode
@@ -26,6 +27,7 @@ from messages.request import GenerateRequest, OutputOptions, SamplingOptions, St
 from messages.subjects import Subjects
 from worker.client.library import discover_workers, generate, jetstream_stream, subjects_of
 from worker.client.reader import FrameOrderError, RequestError
+from worker.client.stops import stop_cut
 from worker.nats.connection import ConnectFailed, connect
 from worker.nats.options import LOCAL_URL, add_nats_arguments, nats_config
 
@@ -60,6 +62,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop-token-ids", type=_int_list, default=None)
+    parser.add_argument(
+        "--stop", action="append", default=None, help="a stop string (repeat for several)"
+    )
+    parser.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="keep the matched stop string in the printed text",
+    )
     parser.add_argument("--logprobs", type=int, default=3, help="top logprobs per token")
     parser.add_argument("--prompt-logprobs", type=int, default=None)
     parser.add_argument(
@@ -122,7 +132,10 @@ async def _main(argv: list[str] | None) -> int:
             n=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         ),
         stop_conditions=StopConditions(
-            max_tokens=args.max_tokens, stop_token_ids=args.stop_token_ids
+            max_tokens=args.max_tokens,
+            stop_token_ids=args.stop_token_ids,
+            stop=args.stop,
+            include_stop_str_in_output=args.include_stop_str_in_output or None,
         ),
         output_options=OutputOptions(logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs),
     )
@@ -151,12 +164,14 @@ async def _main(argv: list[str] | None) -> int:
             )
         # Closed here, before the connection: printing may stop at an error frame.
         async with aclosing(_report_errors(frames, args.timeout)) as reported:
-            return await _print(reported, args.json, tokenizer)
+            return await _print(reported, args.json, tokenizer, args.include_stop_str_in_output)
     finally:
         await nc.close()
 
 
-async def _print(frames: AsyncIterator[ResponseFrame], raw: bool, tokenizer: Any) -> int:
+async def _print(
+    frames: AsyncIterator[ResponseFrame], raw: bool, tokenizer: Any, include_stop: bool
+) -> int:
     generated: dict[int, list[int]] = {}
     async for frame in frames:
         if raw:
@@ -174,9 +189,16 @@ async def _print(frames: AsyncIterator[ResponseFrame], raw: bool, tokenizer: Any
             alternatives = "  ".join(f"{e.token!r}:{e.logprob:.3f}" for e in row)
             print(f"{frame.index}:{token_id:>6} {text:<18} {logprob!s:>22}  {alternatives}")
         if frame.finish_reason is not None:
-            print(f"{frame.index}: finish_reason={frame.finish_reason} {frame.completion_usage}")
+            stop = "" if frame.stop_reason is UNSET else f" stop_reason={frame.stop_reason!r}"
+            print(
+                f"{frame.index}: finish_reason={frame.finish_reason}{stop} {frame.completion_usage}"
+            )
             if tokenizer is not None:
-                text = tokenizer.decode(generated[frame.index], skip_special_tokens=True)
+                tokens = generated[frame.index]
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                if isinstance(frame.stop_reason, str):
+                    before = tokenizer.decode(tokens[:-1], skip_special_tokens=True)
+                    text = text[: stop_cut(text, len(before), frame.stop_reason, include_stop)]
                 print(f"{frame.index}: text={text!r}")
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+from msgspec import UNSET
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -125,6 +126,8 @@ class Choice:
     log_probs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
     finish_reason: str | None = None
+    # The matched stop string or stop token id when finish_reason is "stop".
+    stop_reason: str | int | None = None
     usage: Usage | None = None
 
 
@@ -160,5 +163,6 @@ def fold(request_id: str, frames: list[ResponseFrame], choices: int) -> Completi
             choice.top_logprobs += frame.top_logprobs
         if frame.finish_reason is not None:
             choice.finish_reason = frame.finish_reason
+            choice.stop_reason = None if frame.stop_reason is UNSET else frame.stop_reason
             choice.usage = frame.completion_usage or None
     return result

@@ -71,6 +71,8 @@ class ChoiceDelta:
     log_probs: list[float | None] | None
     top_logprobs: list[list[TopLogprob] | None] | None
     finish_reason: FinishReason | None
+    # With finish_reason "stop": the matched stop string or stop token id (vLLM's stop_reason).
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)

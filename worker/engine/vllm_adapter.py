@@ -5,10 +5,10 @@ The only module that imports vllm. It runs the same code on vLLM 0.24 (GPU) and 
 
 Speed choices (measured on the GPU, see ../shared/gpu/README.md): outputs are DELTA (no
 cumulative re-slicing), logprobs are asked `flat_logprobs=True` (a constant number of Python
-objects per step) and `detokenize=False` (text is the frontend's job; `token`/`bytes` come from the
-TokenTable built once here). The worker's composition root also replaces vLLM's merge of pending
-flat logprobs by a cheaper one with the same result (worker/engine/fast_merge.py); this adapter
-works with or without it.
+objects per step) and `detokenize=False` unless the request has stop strings (text is the
+frontend's job; `token`/`bytes` come from the TokenTable built once here). The worker's
+composition root also replaces vLLM's merge of pending flat logprobs by a cheaper one with the
+same result (worker/engine/fast_merge.py); this adapter works with or without it.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ _FIELD_OF_PARAMETER = {
     "max_tokens": "stop_conditions.max_tokens",
     "min_tokens": "stop_conditions.min_tokens",
     "stop_token_ids": "stop_conditions.stop_token_ids",
+    "stop": "stop_conditions.stop",
     "logprobs": "output_options.logprobs",
     "prompt_logprobs": "output_options.prompt_logprobs",
     "input_tokens": "token_ids",
@@ -174,10 +175,14 @@ class VllmEngine:
                 min_tokens=stop.min_tokens or 0,
                 stop_token_ids=stop_ids or None,
                 ignore_eos=bool(stop.ignore_eos),
+                stop=stop.stop or None,
+                include_stop_str_in_output=bool(stop.include_stop_str_in_output),
                 logprobs=output.logprobs,
                 prompt_logprobs=output.prompt_logprobs,
                 flat_logprobs=True,
-                detokenize=False,
+                # vLLM matches stop strings on its own detokenized text, so only requests with
+                # stop strings pay for detokenizing (their logprob tokens are decoded too).
+                detokenize=bool(stop.stop),
                 output_kind=RequestOutputKind.DELTA,
                 **kwargs,
             )
@@ -236,8 +241,14 @@ class VllmEngine:
             log_probs = rows = None
         else:
             log_probs, rows = logprobs.extract(token_ids, output.logprobs, k, self.table)
+        finish = _finish_reason(output, eos_ids)
         return ChoiceDelta(
-            output.index, token_ids, log_probs, rows, _finish_reason(output, eos_ids)
+            output.index,
+            token_ids,
+            log_probs,
+            rows,
+            finish,
+            output.stop_reason if finish == "stop" else None,
         )
 
     async def abort(self, engine_request_id: str) -> None:
