@@ -10,6 +10,7 @@ worker with N = 1, 2, 4, one at a time, and `--compare` prints the ratios from t
         [--vocab 32000]
     python -m bench.p8_processes --label serve4 --openai-url http://127.0.0.1:8000/v1 --model M
     python -m bench.p8_processes --compare serve4,n1,n2,n4 --to ceiling,serve4
+    python -m bench.p8_processes --compare stack44,n4 --to serve4 --rounds r1,r2,r3
 """
 
 from __future__ import annotations
@@ -100,6 +101,49 @@ def compare(labels: list[str], baselines: list[str]) -> None:
     print(table(header, rows))
 
 
+def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -> None:
+    """Alternating rounds (the GPU script's ROUND): each ratio is taken within one round, side
+    by side, and printed per round with its range; tok/s and TTFT are the rounds' medians."""
+
+    def load(label: str, round_: str) -> dict[str, dict]:
+        path = OUT_DIR / f"p8_{label}-{round_}.json"
+        return {r["logprobs"]: r for r in json.loads(path.read_text())["results"]}
+
+    data = {
+        (label, rd): load(label, rd) for label in dict.fromkeys(labels + baselines) for rd in rounds
+    }
+
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.2f}–{max(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
+
+    rows = []
+    for label in labels:
+        for level in data[(label, rounds[0])]:
+            mine = [data[(label, rd)][level] for rd in rounds]
+            row = [label, level, median([r["tokens_per_s"] for r in mine])]
+            for base in baselines:
+                theirs = [data[(base, rd)][level] for rd in rounds]
+                row.append(
+                    spread(
+                        [
+                            m["tokens_per_s"] / t["tokens_per_s"]
+                            for m, t in zip(mine, theirs, strict=True)
+                        ]
+                    )
+                )
+            ttfts = [r["ttft_p50_ms"] for r in mine]
+            row.append("–" if None in ttfts else f"{median(ttfts):.0f}")
+            for base in baselines:
+                theirs = [data[(base, rd)][level]["ttft_p50_ms"] for rd in rounds]
+                pairs = list(zip(ttfts, theirs, strict=True))
+                ok = all(a is not None and b for a, b in pairs)
+                row.append(spread([a / b for a, b in pairs]) if ok else "–")
+            rows.append(row)
+    header = ["side", "logprobs", "tok/s (median)"] + [f"÷ {b} per round" for b in baselines]
+    header += ["TTFT p50 ms"] + [f"TTFT ÷ {b} per round" for b in baselines]
+    print(table(header, rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.p8_processes")
     parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
@@ -117,10 +161,17 @@ def main() -> None:
     parser.add_argument(
         "--to", help="comma-separated baseline labels for --compare (default: the first label)"
     )
+    parser.add_argument(
+        "--rounds", help="with --compare: comma-separated round names (p8_<label>-<round>.json)"
+    )
     args = parser.parse_args()
     if args.compare:
         labels = args.compare.split(",")
-        compare(labels, args.to.split(",") if args.to else labels[:1])
+        baselines = args.to.split(",") if args.to else labels[:1]
+        if args.rounds:
+            compare_rounds(labels, baselines, args.rounds.split(","))
+        else:
+            compare(labels, baselines)
         return
     asyncio.run(measure(args))
 

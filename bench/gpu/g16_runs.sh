@@ -5,20 +5,26 @@
 #   SIDE=ceiling bash bench/gpu/g16_runs.sh          offline LLM.generate (bench.ceiling)
 #   SIDE=serve API=4 bash bench/gpu/g16_runs.sh      vllm serve --api-server-count 4
 #   SIDE=worker N=2 bash bench/gpu/g16_runs.sh       the worker, --worker-processes 2
+#   SIDE=stack N=4 P=4 bash bench/gpu/g16_runs.sh   the OpenAI stack: the worker (N processes)
+#       behind `python -m worker.frontend --processes P`, loaded over HTTP as vllm serve is
 #   ... PROFILE=1: also py-spy on worker process 0 during one logprobs-20 run (needs py-spy's
 #   wheel in .gpu/, carried with the call)
+#   ROUND=r1: appended to the side's label (p8_serve4-r1.json, …), for alternating rounds that
+#   `python -m bench.p8_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SIDE=${SIDE:-worker}
 N=${N:-1}
+P=${P:-4}
 API=${API:-4}
 REPEATS=${REPEATS:-3}
+ROUND=${ROUND:+-$ROUND}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
         --kv-cache-memory-bytes 16000000000 --seed 0)
 MODEL=/tmp/llama-1b
-pkill -f "^python3 -m worker" ; pkill -f "vllm serve"; sleep 1
+pkill -f "^python3 -m worker" ; pkill -f "vllm serve"; sleep 2
 pkill nats-server; nats-server -a 127.0.0.1 -p 4222 > "$OUT/nats.log" 2>&1 &
 sleep 1
 started=$(date +%s)
@@ -41,9 +47,10 @@ case "$SIDE" in
     cp bench/out/p8_ceiling.json "$OUT/" 2>/dev/null
     ;;
   serve)
-    label=serve$API
+    label=serve$API$ROUND
+    # No access log line per request, as the frontend runs (--log-level warning).
     vllm serve "$MODEL" "${ENGINE[@]}" --api-server-count "$API" --host 127.0.0.1 --port 8000 \
-      > "$OUT/$label.log" 2>&1 &
+      --disable-uvicorn-access-log > "$OUT/$label.log" 2>&1 &
     server=$!
     until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
       if ! kill -0 $server 2>/dev/null || [ $(( $(date +%s) - started )) -gt 420 ]; then
@@ -61,7 +68,7 @@ case "$SIDE" in
     cat "$OUT/p8-$label.txt" | tail -4
     ;;
   worker)
-    label=n$N
+    label=n$N$ROUND
     python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
       "${ENGINE[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
@@ -85,6 +92,32 @@ case "$SIDE" in
     kill -TERM $worker; wait $worker; echo "worker exit $?"
     cat "$OUT/p8-$label.txt" | tail -4
     grep -E "Error|error" "$OUT/worker-$label.log" | head -5
+    ;;
+  stack)
+    label=stack$N$P$ROUND
+    python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
+      "${ENGINE[@]}" > "$OUT/worker-$label.log" 2>&1 &
+    worker=$!
+    wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
+    python3 -m worker.frontend --nats-url nats://127.0.0.1:4222 --model "$MODEL" \
+      --processes "$P" --host 127.0.0.1 --port 8000 --log-level warning \
+      > "$OUT/frontend-$label.log" 2>&1 &
+    frontend=$!
+    until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
+      if ! kill -0 $frontend 2>/dev/null; then
+        echo "frontend did not start"; tail -30 "$OUT/frontend-$label.log"; exit 1
+      fi
+      sleep 1
+    done
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" \
+      --repeats "$REPEATS" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" \
+      > "$OUT/p8-$label.txt" 2>&1
+    echo "bench exit $?"
+    cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
+    kill -TERM $frontend; wait $frontend; echo "frontend exit $?"
+    kill -TERM $worker; wait $worker; echo "worker exit $?"
+    cat "$OUT/p8-$label.txt" | tail -4
+    grep -E "Error|error" "$OUT/worker-$label.log" "$OUT/frontend-$label.log" | head -5
     ;;
 esac
 pkill nats-server
