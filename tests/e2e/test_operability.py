@@ -12,7 +12,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import yaml
 from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,7 +29,6 @@ from tests.helpers import (
     subprocess_env,
 )
 from worker.cli import build_parser, engine_args
-from worker.client import __main__ as client_cli
 from worker.client import complete
 
 PROMPT = [1, 300, 301, 302]
@@ -311,33 +309,6 @@ async def test_demo_runs_on_embedded_nats_and_default_model() -> None:
     rows = re.findall(r"^\s*\d+\s+\d+\s+'.*'\s+[0-9a-f ]+\s+-?\d+\.\d{4}\s", text, re.MULTILINE)
     assert len(rows) == 16, text[-3000:]
     assert "finish_reason='length'" in text and "completion_tokens=16" in text
-
-
-def test_compose_file_services_ports_and_real_cli_flags() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services = compose["services"]
-    assert set(services) == {"nats", "worker", "client"}
-
-    nats = services["nats"]
-    assert "-js" in nats["command"] and nats["command"][nats["command"].index("-m") + 1] == "8222"
-    assert {"4222:4222", "8222:8222"} <= set(nats["ports"])
-
-    worker = services["worker"]
-    devices = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
-    assert "[gpu]" in " ".join(worker["entrypoint"]) or worker["image"].startswith("vllm/")
-    command = worker["command"]
-    assert command[0] == "vllm-nats-worker"
-    args = build_parser().parse_args(command[1:])  # exits on any flag the CLI does not accept
-    assert args.nats_url == "nats://nats:4222"
-    assert f"{args.metrics_port}:{args.metrics_port}" in worker["ports"]
-    assert "nats" in worker["depends_on"]
-
-    client = services["client"]
-    assert client["command"][:3] == ["python", "-m", "worker.client"]
-    client_args = client_cli._parse_args(client["command"][3:])
-    assert client_args.nats_url == args.nats_url
-    assert client_args.subject == f"{args.namespace}.{args.component}.{args.endpoint}"
 
 
 async def test_engine_death_answers_in_flight_and_exits_non_zero(
