@@ -90,8 +90,8 @@ async def engine(tiny_model: Path):  # -> VllmEngine
 
 
 @pytest.fixture(scope="session")
-def worker_metrics() -> WorkerMetrics:
-    return WorkerMetrics(CollectorRegistry())
+def worker_metrics(engine) -> WorkerMetrics:
+    return WorkerMetrics(engine.limits.model, CollectorRegistry())
 
 
 @pytest.fixture(scope="session")

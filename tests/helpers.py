@@ -4,11 +4,14 @@ alignment checks, and running the worker as a subprocess."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +20,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
+from prometheus_client.parser import text_string_to_metric_families
 
 from messages.codec import MSGPACK
 from messages.frames import ResponseFrame, TopLogprob
@@ -252,3 +256,34 @@ async def start_cli_worker(
         cwd=ROOT,
         start_new_session=own_session,
     )
+
+
+# --- the metrics port and the CLI's console -------------------------------------------------
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" not in sample.labels:
+                samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+REAPER = "vllm-nats-worker reaper:"
+"""The watchdog's line (worker/engine/reaper.py): a process of its own, it may report after the
+worker's last line."""
+
+
+def last_worker_line(lines: list[str]) -> str:
+    return [line for line in lines if not line.startswith(REAPER)][-1].strip()
+
+
+def get_health(port: int) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
@@ -25,9 +26,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY
 
 from messages.subjects import Subjects
+from worker import health
 from worker.config import (
     ENVIRONMENT,
     JetStreamSettings,
@@ -37,6 +39,7 @@ from worker.config import (
     environment,
 )
 from worker.engine import args as engine_cli
+from worker.engine import logs as engine_logs
 from worker.metrics import WorkerMetrics
 from worker.nats.options import add_nats_arguments, nats_config
 
@@ -47,6 +50,9 @@ DESCRIPTION = (
     "<namespace>.<component>.<endpoint> (queue group), streamed token/logprob frames to each "
     "request's reply subject. Takes every vLLM engine argument, as `vllm serve` does."
 )
+USAGE = "%(prog)s --model MODEL --nats-url URL [NATS options] [vLLM engine options]"
+NATS_GROUPS = ("NATS connection", "NATS worker")
+"""The worker's own argument groups: --help shows them first, in full."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ OPTIONS: list[Option] = [
         "processes",
         "worker processes over one engine core, each an AsyncLLM client with its own NATS "
         "connection in the queue group (vLLM's front-end scale-out, vLLM 0.24 and 0.32+); "
-        "default 1, as vllm serve's --api-server-count; 4 on a GPU host under high "
+        "as vllm serve's --api-server-count; 4 on a GPU host under high "
         "concurrency (README: Worker processes)",
         at_least_one,
     ),
@@ -159,7 +165,8 @@ OPTIONS: list[Option] = [
         "--metrics-port",
         None,
         "metrics_port",
-        "serve Prometheus /metrics on this port, 0 = any free port (default: off)",
+        "serve Prometheus /metrics and the JSON /health on this port, 0 = any free port "
+        "(default: off)",
         int,
     ),
     Option("--metrics-host", None, "metrics_host", "metrics bind address", default="0.0.0.0"),
@@ -193,7 +200,13 @@ OPTIONS: list[Option] = [
         "delivery attempts before a request is terminated with an error frame",
         int,
     ),
-    Option("--js-max-ack-pending", JetStreamSettings, "max_ack_pending", "", int),
+    Option(
+        "--js-max-ack-pending",
+        JetStreamSettings,
+        "max_ack_pending",
+        "deliveries the consumer lets be unacknowledged at once",
+        int,
+    ),
     Option(
         "--js-max-age",
         JetStreamSettings,
@@ -213,7 +226,7 @@ OPTIONS: list[Option] = [
 
 
 def build_parser(prog: str = "vllm-nats-worker") -> argparse.ArgumentParser:
-    parser = engine_cli.parser(prog, DESCRIPTION)
+    parser = engine_cli.parser(prog, DESCRIPTION, USAGE, NATS_GROUPS)
     # No default URL: a production worker needs one (or --dev).
     add_nats_arguments(parser, url_default=None)
     group = parser.add_argument_group("NATS worker", "Subjects, limits and lifecycle.")
@@ -235,7 +248,7 @@ def build_parser(prog: str = "vllm-nats-worker") -> argparse.ArgumentParser:
         help="development mode: an embedded nats-server when no NATS URL is given and the tiny "
         "random-weight demo model when no --model is given (never for production)",
     )
-    engine_cli.add_engine_args(parser)
+    engine_cli.add_engine_args(parser, NATS_GROUPS)
     parser.set_defaults(**environment())
     return parser
 
@@ -361,11 +374,33 @@ async def serve(
         if client_config is None and (refusal := await preflight(args, config)):
             _say(f"vllm-nats-worker: {refusal}", sys.stderr)
             return 2
-        engine = await VllmEngine.start(engine_args(args), client_config)
+        # The metrics port answers from before the engine loads: /health says "starting".
+        live = _LiveHealth()
+        server = None
+        if args.metrics_port is not None:
+            server = health.serve(args.metrics_host, args.metrics_port, REGISTRY, live.processes)
+            log.info("metrics and health on http://%s:%d", args.metrics_host, server.server_port)
         try:
-            return await _run(args, config, engine, on_ready, stop)
+            engine = await VllmEngine.start(engine_args(args), client_config)
+            try:
+                port = server.server_port if server is not None else None
+                return await _run(args, config, engine, on_ready, stop, live, port)
+            finally:
+                engine.shutdown()
         finally:
-            engine.shutdown()
+            if server is not None:
+                server.shutdown()
+
+
+class _LiveHealth:
+    """This process's health provider for its metrics port: none reported while the engine
+    loads, then the serving worker's live state (`_run` sets `current`)."""
+
+    def __init__(self) -> None:
+        self.current: Callable[[], health.ProcessHealth] | None = None
+
+    def processes(self) -> list[health.ProcessHealth]:
+        return [] if self.current is None else [self.current()]
 
 
 async def preflight(args: argparse.Namespace, config: WorkerConfig) -> str | None:
@@ -393,7 +428,8 @@ async def preflight(args: argparse.Namespace, config: WorkerConfig) -> str | Non
 
 def serve_processes(args: argparse.Namespace) -> int:
     """--worker-processes N > 1: the engine core once, N worker processes over it (each runs
-    `serve` with its client_config), metrics summed over them on --metrics-port."""
+    `serve` with its client_config), metrics summed over them and health read from their gauges
+    on --metrics-port."""
     from worker.engine import reaper, scaleout
 
     if _refused(args):
@@ -419,13 +455,20 @@ def serve_processes(args: argparse.Namespace) -> int:
 
 
 def _serve_summed_metrics(args: argparse.Namespace) -> None:
-    """The processes' metrics, summed, on one port served by this parent process."""
+    """The processes' metrics, summed, and their health (from their gauges) on one port served
+    by this parent process."""
     from worker.engine import scaleout
 
     registry = scaleout.summed_metrics_registry()
-    server, _ = start_http_server(args.metrics_port, args.metrics_host, registry=registry)
+    server = health.serve(
+        args.metrics_host,
+        args.metrics_port,
+        registry,
+        functools.partial(health.from_gauges, registry),
+        expected=args.worker_processes,
+    )
     log.info(
-        "metrics of every worker process on http://%s:%d/metrics",
+        "metrics and health of every worker process on http://%s:%d",
         args.metrics_host,
         server.server_port,
     )
@@ -449,19 +492,25 @@ async def _run(
     engine: Any,  # VllmEngine
     on_ready: Callable[[Ready], Awaitable[None]] | None,
     stop: asyncio.Event,
+    live: _LiveHealth,
+    metrics_port: int | None,
 ) -> int:
     from worker.nats.connection import connect
     from worker.nats.intake.jetstream import JetStreamConfigError, JetStreamIntake
     from worker.nats.worker import NatsWorker
 
-    metrics = WorkerMetrics(REGISTRY)
-    metrics_port = None
-    if args.metrics_port is not None:
-        server, _ = start_http_server(args.metrics_port, args.metrics_host, registry=REGISTRY)
-        metrics_port = server.server_port
-        log.info("metrics on http://%s:%d/metrics", args.metrics_host, metrics_port)
+    metrics = WorkerMetrics(engine.limits.model, REGISTRY)
     nc = await connect(config.nats)
     worker = NatsWorker(engine, nc, config, metrics)
+
+    def current() -> health.ProcessHealth:
+        # Draining from the signal on, before the drain itself begins.
+        return health.ProcessHealth(
+            engine_alive=not worker.engine_dead.is_set(),
+            nats_connected=nc.is_connected,
+            draining=stop.is_set() or worker.draining,
+        )
+
     settings = jetstream_settings(args, config) if args.mode == "jetstream" else None
     await worker.start(jetstream=settings)
     intake = None
@@ -477,7 +526,14 @@ async def _run(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    health = asyncio.create_task(worker.watch_engine())
+    background = [
+        asyncio.create_task(worker.watch_engine()),
+        asyncio.create_task(health.publish(current, metrics)),
+    ]
+    if not args.disable_log_stats:  # vLLM's engine argument, as `vllm serve` honours it
+        interval = engine_logs.stats_interval_s()
+        background.append(asyncio.create_task(engine_logs.log_stats_every(engine, interval)))
+    live.current = current
     ready = Ready(config.nats.servers[0], config.subjects, config.instance_id, metrics_port)
     serving = config.subjects.queue + " (jetstream)" if intake else config.subjects.generate
     _say(
@@ -494,6 +550,7 @@ async def _run(
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
+        health.record(metrics, current())  # the gauges say so at once, not a second later
         if intake is not None:
             await intake.stop()
             if intake.failed.is_set():
@@ -509,7 +566,8 @@ async def _run(
         await worker.drain(config.drain_timeout_s)
         return 0
     finally:
-        health.cancel()
+        for task in background:
+            task.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await worker.stop()
@@ -517,15 +575,27 @@ async def _run(
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("worker").setLevel(level.upper())
+    """One format for the worker's lines and vLLM's (worker/engine/logs.py)."""
+    engine_logs.configure(level)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command. Its last console line is always `vllm-nats-worker stopped (exit N)`, on
+    every way it ends but a kill: after a drain (0), a dead engine or intake (1), a refused
+    configuration (2), an unexpected error (1, after its traceback) or SIGINT before it is
+    ready (130)."""
     args = build_parser().parse_args(argv)
     setup_logging(args.worker_log_level)
-    if args.worker_processes > 1:
-        sys.exit(serve_processes(args))
-    sys.exit(asyncio.run(serve(args)))
+    code = 1
+    try:
+        if args.worker_processes > 1:
+            code = serve_processes(args)
+        else:
+            code = asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        code = 130
+    except Exception:
+        log.exception("vllm-nats-worker failed")
+    finally:
+        _say(f"vllm-nats-worker stopped (exit {code})")
+    sys.exit(code)

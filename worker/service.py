@@ -151,6 +151,11 @@ class Worker:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def draining(self) -> bool:
+        """True once `drain` began: no request is admitted any more."""
+        return self._draining
+
     def stats_data(self) -> dict[str, object]:
         return {
             "in_flight": self.in_flight,
@@ -269,7 +274,7 @@ class Worker:
         self._record(delivery, f"{code}: {message}")
         if self.metrics is not None:
             self.metrics.error(code)
-            self.metrics.finished(code)
+            self.metrics.finished([code])
         await send_error(writer, request_id, code, message)
 
     async def _serve(self, session: RequestSession, delivery: Delivery) -> Outcome:
@@ -289,7 +294,7 @@ class Worker:
         failure = f"{outcome.error_code}: {outcome.error_message}" if outcome.error_code else None
         self._record(delivery, failure)
         if self.metrics is not None:
-            self.metrics.finished(outcome.label)
+            self.metrics.finished(outcome.outcomes)
             if outcome.error_code is not None:
                 self.metrics.error(outcome.error_code)
         return outcome

@@ -45,10 +45,17 @@ class Outcome:
     """The request failed retryably and another attempt will run it (JetStream): no frame sent."""
 
     @property
-    def label(self) -> str:
+    def outcomes(self) -> list[str]:
+        """What the request ended with, for metrics: its error code alone, else each choice's
+        finish reason (one per choice)."""
         if self.error_code is not None:
-            return self.error_code
-        return ",".join(str(reason) for reason in self.finish_reasons)
+            return [self.error_code]
+        return [str(reason) for reason in self.finish_reasons]
+
+    @property
+    def label(self) -> str:
+        """The outcomes in one word, for the request's log line (e.g. `length,stop`)."""
+        return ",".join(self.outcomes)
 
 
 async def send_error(

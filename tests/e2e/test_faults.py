@@ -399,7 +399,9 @@ async def _outage(engine, outage_s: float, caplog) -> tuple[list[Tally], list[Ta
     try:
         config = WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects)
         worker_nc = await connect(config.nats)
-        worker = NatsWorker(engine, worker_nc, config, WorkerMetrics(CollectorRegistry()))
+        worker = NatsWorker(
+            engine, worker_nc, config, WorkerMetrics(engine.limits.model, CollectorRegistry())
+        )
         await worker.start()
         clients = [await nats.connect(server.url, max_reconnect_attempts=-1) for _ in range(4)]
         long_streams = [Tally(f"outage-{i}") for i in range(32)]

@@ -7,13 +7,11 @@ import json
 import re
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import msgspec
 import pytest
 from prometheus_client import start_http_server
-from prometheus_client.parser import text_string_to_metric_families
 
 from messages.codec import MSGPACK
 from messages.subjects import SERVICE_NAME
@@ -24,6 +22,7 @@ from tests.helpers import (
     exchange,
     make_request,
     read_until,
+    scrape,
     sigterm_mid_stream,
     start_cli_worker,
     subprocess_env,
@@ -58,17 +57,6 @@ async def srv(nc, verb: str, service_id: str) -> dict:
     return json.loads(msg.data)
 
 
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
-            if "le" not in sample.labels:
-                samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
-
-
 def test_unknown_flag_fails_with_argparse_message(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["--model", "m", "--no-such-flag"])
@@ -76,7 +64,9 @@ def test_unknown_flag_fails_with_argparse_message(capsys) -> None:
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
-def test_help_shows_worker_and_vllm_engine_flags(capsys) -> None:
+def test_help_shows_worker_and_vllm_engine_flags(capsys, monkeypatch) -> None:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["--help"])
     assert info.value.code == 0
@@ -93,11 +83,17 @@ def test_help_shows_worker_and_vllm_engine_flags(capsys) -> None:
         "--metrics-port",
         "--tls-ca",
         "--nats-creds",
-        "--model",
-        "--tensor-parallel-size",
-        "--max-logprobs",
-        "--max-model-len",
     ):
+        assert flag in out, flag
+    # vLLM's ~250 engine flags are behind vLLM's own --help=<group> / --help=all.
+    assert "ModelConfig" in out and "--help=all" in out
+    # vLLM keeps the searched word on its parser class: restored after this test.
+    monkeypatch.setattr(FlexibleArgumentParser, "_search_keyword", None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help=all"])
+    out = capsys.readouterr().out
+    assert out.index("NATS worker:") < out.index("ModelConfig:")
+    for flag in ("--model", "--tensor-parallel-size", "--max-logprobs", "--max-model-len"):
         assert flag in out, flag
 
 
@@ -186,7 +182,7 @@ async def test_micro_ping_info_stats_and_counts_move(worker, client, engine) -> 
 
 
 async def test_metrics_endpoint_shows_counters_and_histograms(
-    worker, client, worker_metrics
+    worker, client, worker_metrics, engine
 ) -> None:
     server, thread = start_http_server(0, "127.0.0.1", registry=worker_metrics.registry)
     try:
@@ -201,14 +197,15 @@ async def test_metrics_endpoint_shows_counters_and_histograms(
         samples = await asyncio.to_thread(scrape, port)
     finally:
         server.shutdown()
-    assert samples["nats_worker_requests_total{outcome=length}"] >= 3
-    assert samples["nats_worker_requests_total{outcome=invalid_request}"] >= 1
-    assert samples["nats_worker_errors_total{code=invalid_request}"] >= 1
-    assert samples["nats_worker_generated_tokens_total{}"] >= 30
-    assert samples["nats_worker_time_to_first_token_seconds_count{}"] >= 3
-    assert samples["nats_worker_time_to_first_token_seconds_sum{}"] > 0
-    assert samples["nats_worker_inter_token_latency_seconds_count{}"] >= 27
-    assert samples["nats_worker_in_flight_requests{}"] == 0
+    model = f"model_name={engine.limits.model}"
+    assert samples[f"nats_worker_requests_total{{{model},outcome=length}}"] >= 3
+    assert samples[f"nats_worker_requests_total{{{model},outcome=invalid_request}}"] >= 1
+    assert samples[f"nats_worker_errors_total{{code=invalid_request,{model}}}"] >= 1
+    assert samples[f"nats_worker_generated_tokens_total{{{model}}}"] >= 30
+    assert samples[f"nats_worker_time_to_first_token_seconds_count{{{model}}}"] >= 3
+    assert samples[f"nats_worker_time_to_first_token_seconds_sum{{{model}}}"] > 0
+    assert samples[f"nats_worker_inter_token_latency_seconds_count{{{model}}}"] >= 27
+    assert samples[f"nats_worker_in_flight_requests{{{model}}}"] == 0
 
 
 async def test_cli_worker_serves_with_engine_args_and_drains_on_sigterm(
@@ -262,8 +259,9 @@ async def test_cli_worker_serves_with_engine_args_and_drains_on_sigterm(
         ]
         assert len(infos) == 1 and infos[0]["metadata"]["max_logprobs"] == "7"
         samples = await asyncio.to_thread(scrape, metrics_port)
-        assert samples["nats_worker_requests_total{outcome=length}"] == 1
-        assert samples["nats_worker_errors_total{code=invalid_request}"] == 2
+        model = f"model_name={tiny_model}"
+        assert samples[f"nats_worker_requests_total{{{model},outcome=length}}"] == 1
+        assert samples[f"nats_worker_errors_total{{code=invalid_request,{model}}}"] == 2
         assert any(name.startswith("vllm:") for name in samples), (
             "vLLM's own metrics are served too"
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import time
 
@@ -13,7 +14,16 @@ import psutil
 import pytest
 
 from messages.subjects import Subjects
-from tests.helpers import collect, make_request, read_until, sigterm_mid_stream, start_cli_worker
+from tests.helpers import (
+    collect,
+    get_health,
+    last_worker_line,
+    make_request,
+    read_until,
+    scrape,
+    sigterm_mid_stream,
+    start_cli_worker,
+)
 from worker.client import complete, discover_workers, generate
 
 PROMPT = [1, 300, 301, 302]
@@ -91,6 +101,22 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         assert [r.choices[0].finish_reason for r in results] == ["length"] * 16
         assert all(len(r.choices[0].top_logprobs) == 8 for r in results)
 
+        # The parent's metrics port: the processes' counters summed, /health for both.
+        port = next(
+            int(m.group(1))
+            for line in lines
+            if (m := re.search(r"^metrics http://127\.0\.0\.1:(\d+)/metrics", line))
+        )
+        code, body = await asyncio.to_thread(get_health, port)
+        assert code == 200 and body["status"] == "ok", body
+        assert body["expected_processes"] == 2
+        assert sorted(p["pid"] for p in body["processes"]) == sorted(
+            c.pid for c in _worker_processes(proc.pid)
+        )
+        samples = await asyncio.to_thread(scrape, port)
+        outcome = f"model_name={tiny_model},outcome=length"
+        assert samples[f"nats_worker_requests_total{{{outcome}}}"] == 16
+
         # A cancel (the client leaving early) reaches whichever process serves the request.
         async for frame in generate(
             client, make_request("mp-cancel", PROMPT, max_tokens=400), subject=subjects.generate
@@ -108,6 +134,7 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         await output
         text = "".join(lines)
         assert "request mp-cancel cancelled" in text
+        assert last_worker_line(lines) == "vllm-nats-worker stopped (exit 0)"
         assert text.count("stopping: draining") == 2
     finally:
         _kill_group(proc)

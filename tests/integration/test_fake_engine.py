@@ -81,7 +81,7 @@ async def test_probe_cost_is_per_client_not_per_request(nats_server) -> None:
 
 async def test_time_to_first_token_counts_from_the_messages_arrival(nats_server) -> None:
     engine = PacedFakeEngine(step_s=0.0)
-    metrics = WorkerMetrics(CollectorRegistry())
+    metrics = WorkerMetrics(engine.limits.model, CollectorRegistry())
     config = WorkerConfig(
         nats=NatsConfig(servers=[nats_server.url]), subjects=Subjects("ttft", "fake", "generate")
     )
@@ -102,8 +102,10 @@ async def test_time_to_first_token_counts_from_the_messages_arrival(nats_server)
         assert frames[-1]["finish_reason"] == "length"
         registry = metrics.registry
         name = "nats_worker_time_to_first_token_seconds"
-        assert registry.get_sample_value(f"{name}_count") == 1
-        assert registry.get_sample_value(f"{name}_sum") >= 3.0  # from the arrival, not later
+        labels = {"model_name": "paced-fake"}
+        assert registry.get_sample_value(f"{name}_count", labels) == 1
+        # from the arrival, not later
+        assert registry.get_sample_value(f"{name}_sum", labels) >= 3.0
     finally:
         await sub.unsubscribe()
         await worker.stop()

