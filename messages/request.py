@@ -27,6 +27,10 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 # Finite: msgpack can carry inf and NaN, which no sampling parameter means (NaN fails ge anyway).
 FLOAT_MAX = sys.float_info.max
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0, le=FLOAT_MAX)]
+# OpenAI's range for a logit bias; vLLM's OpenAI server clamps to it, the wire refuses beyond it
+# (a frontend that takes vLLM's requests clamps first: worker/frontend/schemas.py).
+LOGIT_BIAS_MAX = 100.0
+LogitBias = Annotated[float, msgspec.Meta(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]
 
 
 class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -44,6 +48,10 @@ class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=FLOAT_MAX)] | None = None
+    # Token id → a bias added to that token's logit before sampling (vLLM's logit_bias). In
+    # JSON the keys are strings of the ids (`{"42": 5.0}`), in msgpack integers; the ids are
+    # checked against the vocabulary on arrival.
+    logit_bias: dict[TokenId, LogitBias] | None = None
     # Known to Dynamo's frontends but not served here: refused with a clear error, never ignored.
     use_beam_search: bool | None = None
     guided_decoding: msgspec.Raw | None = None

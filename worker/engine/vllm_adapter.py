@@ -164,6 +164,7 @@ class VllmEngine:
                 "presence_penalty",
                 "frequency_penalty",
                 "repetition_penalty",
+                "logit_bias",
             )
             if (value := getattr(sampling, name)) is not None
         }
