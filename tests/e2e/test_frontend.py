@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,10 +19,9 @@ import httpx
 import nats
 import openai
 import pytest
-import uvicorn
 
 from bench.vllm_server import VllmOpenAIServer
-from tests.helpers import TEST_SUBJECTS
+from tests.helpers import TEST_SUBJECTS, free_port, serving
 from worker.frontend.app import FrontendSettings, create_app
 from worker.frontend.tokenizer import ModelTokenizer
 
@@ -45,27 +43,14 @@ COMPLETION_PROMPTS: list[str | list[int]] = [
 TOLERANCE = 1e-5
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 async def frontend(worker, nats_server, tiny_model: Path) -> AsyncIterator[str]:
     """The frontend served by uvicorn on a free loopback port, in this event loop."""
     nc = await nats.connect(nats_server.url)
     settings = FrontendSettings(model_names=(str(tiny_model),), subject=TEST_SUBJECTS.generate)
     app = create_app(settings, ModelTokenizer.load(tiny_model), nc=nc)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "uvicorn did not start"
-        await asyncio.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    await task
+    async with serving(app) as base:
+        yield base + "/v1"
     await nc.close()
 
 

@@ -56,6 +56,7 @@ from worker.frontend.openai_shapes import (
     usage,
 )
 from worker.frontend.schemas import (
+    UNION_SHAPES,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -114,12 +115,15 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
     # Union members add their type name to the path (`prompt.str`, `prompt.list[int]`): not
     # part of the field.
-    location = [
-        part
-        for part in location
-        if part not in ("str", "int", "function-after") and "[" not in part
-    ]
+    tags = ("str", "int", "function-after")
+    shapes = [part for part in location if part in tags or "[" in part]
+    location = [part for part in location if part not in tags and "[" not in part]
     param = ".".join(location) or None
+    if shapes and location and location[0] in UNION_SHAPES:
+        field_name = location[0]
+        got = json.dumps(error.get("input"), default=str)[:100]
+        message = f"{field_name}: must be {UNION_SHAPES[field_name]} (got {got})"
+        return OpenAIError(400, message, "invalid_request_error", field_name)
     if error.get("type") == "extra_forbidden" and param:
         return OpenAIError(
             400,

@@ -116,6 +116,12 @@ class SamplingFields(BaseModel):
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# What a field of several shapes (a union) must be: pydantic reports a mismatch against each
+# shape in turn ("should be a valid string" for a list), so the error says all of them.
+UNION_SHAPES = {
+    "prompt": "a string, a list of token ids, or a batch: a list of strings or a list of "
+    "token-id lists (none empty)",
+}
 
 
 class CompletionRequest(SamplingFields):
