@@ -29,6 +29,10 @@ FLOAT_MAX = sys.float_info.max
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0, le=FLOAT_MAX)]
 # vLLM refuses an empty stop string ("stop cannot contain an empty string").
 StopString = Annotated[str, msgspec.Meta(min_length=1)]
+# OpenAI's range for a logit bias; vLLM's OpenAI server clamps to it, the wire refuses beyond it
+# (a frontend that takes vLLM's requests clamps first: worker/frontend/schemas.py).
+LOGIT_BIAS_MAX = 100.0
+LogitBias = Annotated[float, msgspec.Meta(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]
 
 
 class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -46,6 +50,10 @@ class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=FLOAT_MAX)] | None = None
+    # Token id → a bias added to that token's logit before sampling (vLLM's logit_bias). In
+    # JSON the keys are strings of the ids (`{"42": 5.0}`), in msgpack integers; the ids are
+    # checked against the vocabulary on arrival.
+    logit_bias: dict[TokenId, LogitBias] | None = None
     # Known to Dynamo's frontends but not served here: refused with a clear error, never ignored.
     use_beam_search: bool | None = None
     guided_decoding: msgspec.Raw | None = None

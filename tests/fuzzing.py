@@ -27,6 +27,7 @@ _FIELDS = [
     ("sampling_options", "seed"),
     ("sampling_options", "repetition_penalty"),
     ("sampling_options", "use_beam_search"),
+    ("sampling_options", "logit_bias"),
     ("stop_conditions", "max_tokens"),
     ("stop_conditions", "min_tokens"),
     ("stop_conditions", "stop_token_ids"),
@@ -45,6 +46,12 @@ _hostile_values = st.one_of(
     st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=6),
     st.lists(st.text(max_size=3), max_size=3),
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+    # Shaped like a logit bias: id keys (as JSON writes them, and as ints), any bias.
+    st.dictionaries(
+        st.one_of(st.integers(-(2**40), 2**40).map(str), st.integers(-(2**40), 2**40)),
+        st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70)),
+        max_size=3,
+    ),
 )
 
 

@@ -4,10 +4,12 @@ alignment checks, and running the worker as a subprocess."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -287,3 +289,28 @@ def get_health(port: int) -> tuple[int, dict]:
             return answer.status, json.load(answer)
     except urllib.error.HTTPError as error:
         return error.code, json.load(error)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """An ASGI app (the frontend) on uvicorn on a free loopback port, in this event loop; yields
+    its base URL (`http://127.0.0.1:<port>`)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            assert not task.done(), "uvicorn did not start"
+            await asyncio.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task

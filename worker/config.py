@@ -29,10 +29,21 @@ ENVIRONMENT: dict[str, str] = {
     "NATS_TLS_KEY": "tls_key",
     "WORKER_MAX_CONCURRENCY": "max_concurrency",
     "WORKER_METRICS_PORT": "metrics_port",
+    # The frontend's (python -m worker.frontend), named as vLLM's server names it.
+    "VLLM_API_KEY": "api_key",
 }
 # Read, not mapped to an option: vLLM's own CPU KV-cache size (GiB); when it is unset on a CPU,
 # the worker sizes the cache by engine argument instead (worker/engine/args.py).
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+# Written, not read: prometheus-client's multiprocess directory. Processes started after it is
+# set (the frontend's --processes N, spawned) write their metrics there, to be summed.
+PROMETHEUS_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def share_metrics_with_children(directory: str) -> None:
+    os.environ[PROMETHEUS_MULTIPROC_ENV] = directory
 
 
 def environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:

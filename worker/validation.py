@@ -66,6 +66,13 @@ def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
         "stop_conditions.stop_token_ids_hidden", stop.stop_token_ids_hidden or (), limits.vocab_size
     )
 
+    for token_id in sorted(sampling.logit_bias or ()):
+        if token_id >= limits.vocab_size:
+            raise InvalidRequest(
+                "sampling_options.logit_bias",
+                f"token id {token_id} is outside the vocabulary (must be < {limits.vocab_size})",
+            )
+
     prompt_len = len(request.token_ids)
     if prompt_len >= limits.max_model_len:
         raise InvalidRequest(

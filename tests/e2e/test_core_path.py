@@ -325,6 +325,13 @@ BAD_INPUTS = [
         "outside the vocabulary",
     ),
     (
+        "logit-bias-out-of-vocab",
+        msgspec.msgpack.encode(_req(sampling_options={"logit_bias": {3: 1.0, 5000: 2.0}})),
+        False,
+        "sampling_options.logit_bias",
+        "token id 5000 is outside the vocabulary (must be < 1024)",
+    ),
+    (
         "prompt-too-long",
         msgspec.msgpack.encode(_req(token_ids=[5] * 600)),
         False,

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,10 +19,9 @@ import httpx
 import nats
 import openai
 import pytest
-import uvicorn
 
 from bench.vllm_server import VllmOpenAIServer
-from tests.helpers import TEST_SUBJECTS
+from tests.helpers import TEST_SUBJECTS, free_port, serving
 from worker.frontend.app import FrontendSettings, create_app
 from worker.frontend.tokenizer import ModelTokenizer
 
@@ -45,27 +43,14 @@ COMPLETION_PROMPTS: list[str | list[int]] = [
 TOLERANCE = 1e-5
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 async def frontend(worker, nats_server, tiny_model: Path) -> AsyncIterator[str]:
     """The frontend served by uvicorn on a free loopback port, in this event loop."""
     nc = await nats.connect(nats_server.url)
-    settings = FrontendSettings(model_name=str(tiny_model), subject=TEST_SUBJECTS.generate)
+    settings = FrontendSettings(model_names=(str(tiny_model),), subject=TEST_SUBJECTS.generate)
     app = create_app(settings, ModelTokenizer.load(tiny_model), nc=nc)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "uvicorn did not start"
-        await asyncio.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    await task
+    async with serving(app) as base:
+        yield base + "/v1"
     await nc.close()
 
 
@@ -366,7 +351,12 @@ async def test_completions_match_vllm_server(
         ("/completions", {"prompt": "Hi", "logprobs": 21}, 400, None,
          "output_options.logprobs: must be <= 20"),
         ("/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens",
-         "greater than or equal to 1"),
+         "must be >= 1 (0 only with echo: prompt scoring)"),
+        ("/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens",
+         "greater than or equal to 0"),
+        ("/completions", {"prompt": []}, 400, "prompt", "must not be empty"),
+        ("/completions", {"prompt": "Hi", "logit_bias": {"hello": 1}}, 400, "logit_bias",
+         "keys must be token ids"),
         ("/completions", {"prompt": "Hi", "n": "two"}, 400, "n", "valid integer"),
         ("/completions", {"prompt": [1, 5000]}, 400, None, "vocab"),
         ("/completions", {"prompt": "Hi", "max_tokens": 600}, 400, None, "max_model_len"),
@@ -455,7 +445,7 @@ async def test_no_worker_on_the_subject_is_an_immediate_503(nats_server, tiny_mo
     """Nothing subscribes to the frontend's subject (no worker up, or a wrong --subject): NATS
     says "no responders" and the frontend answers 503 at once, streamed or not."""
     nc = await nats.connect(nats_server.url)
-    settings = FrontendSettings(model_name=str(tiny_model), subject="nobody.vllm.generate")
+    settings = FrontendSettings(model_names=(str(tiny_model),), subject="nobody.vllm.generate")
     app = create_app(settings, ModelTokenizer.load(tiny_model), nc=nc)
     transport = httpx.ASGITransport(app=app)
     try:

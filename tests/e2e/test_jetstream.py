@@ -366,7 +366,7 @@ async def test_jetstream_mode_seen_from_outside(
     assert frames[-1]["finish_reason"] == "length"
 
     app = create_app(
-        FrontendSettings(model_name=str(tiny_model), subject=subjects.generate, jetstream=True),
+        FrontendSettings(model_names=(str(tiny_model),), subject=subjects.generate, jetstream=True),
         ModelTokenizer.load(tiny_model),
         nc=client,
     )

@@ -112,6 +112,39 @@ def test_strict_validation_names_field_and_rule(patch, path, rule) -> None:
     assert rule in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("payload", "path", "rule"),
+    [
+        (b'{"logit_bias": {"x": 1.0}}', "at `key` in `$.sampling_options.logit_bias`",
+         "Expected `int`, got `str`"),
+        (b'{"logit_bias": {"-1": 1.0}}', "at `key` in `$.sampling_options.logit_bias`",
+         "Expected `int` >= 0"),
+        (b'{"logit_bias": {"5": 100.5}}', "$.sampling_options.logit_bias[...]", "<= 100.0"),
+        (b'{"logit_bias": {"5": -101}}', "$.sampling_options.logit_bias[...]", ">= -100.0"),
+        (b'{"logit_bias": {"5": true}}', "$.sampling_options.logit_bias[...]",
+         "Expected `float`, got `bool`"),
+        (b'{"logit_bias": [5, 1.0]}', "$.sampling_options.logit_bias", "Expected `object"),
+    ],
+)  # fmt: skip
+def test_logit_bias_decodes_by_token_id_and_names_its_errors(payload, path, rule) -> None:
+    # JSON object keys are strings: `{"42": 5.0}` is token 42; msgpack keys are integers.
+    base = b'{"request_id": "r", "token_ids": [1], "sampling_options": '
+    request = JSON.decode_request(base + b'{"logit_bias": {"42": 5.0, "7": -100}}}')
+    assert request.sampling_options.logit_bias == {42: 5.0, 7: -100.0}
+    packed = msgspec.msgpack.encode(
+        {"request_id": "r", "token_ids": [1], "sampling_options": {"logit_bias": {42: 5}}}
+    )
+    assert MSGPACK.decode_request(packed).sampling_options.logit_bias == {42: 5.0}
+    assert msgspec.json.decode(JSON.encode(request))["sampling_options"]["logit_bias"] == {
+        "42": 5.0,
+        "7": -100.0,
+    }
+    with pytest.raises(msgspec.ValidationError) as info:
+        JSON.decode_request(base + payload + b"}")
+    assert path in str(info.value)
+    assert rule in str(info.value)
+
+
 def test_missing_required_fields() -> None:
     with pytest.raises(msgspec.ValidationError, match="missing required field `token_ids`"):
         MSGPACK.decode_request(msgspec.msgpack.encode({"request_id": "r"}))

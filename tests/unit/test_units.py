@@ -298,3 +298,21 @@ def test_messages_and_the_client_import_without_vllm_or_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_frontend_options_defaults_and_api_key_from_env(monkeypatch) -> None:
+    """The frontend's defaults are FrontendSettings' (host: all interfaces, as vllm serve);
+    VLLM_API_KEY gives --api-key its default; several --served-model-name values."""
+    from worker.frontend.cli import parse_args, settings_of
+    from worker.frontend.settings import FrontendSettings
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    settings = settings_of(parse_args(["--model", "/models/m"]))
+    assert (settings.host, settings.port, settings.api_key) == ("0.0.0.0", 8000, None)
+    assert settings.model_names == ("/models/m",) and settings.model_path == "/models/m"
+    assert settings.host == FrontendSettings(model_names=("x",)).host
+    monkeypatch.setenv("VLLM_API_KEY", "sk-env")
+    args = parse_args(["--model", "/m", "--served-model-name", "a", "b"])
+    assert settings_of(args).api_key == "sk-env"
+    assert settings_of(args).model_names == ("a", "b")
+    assert settings_of(parse_args(["--model", "/m", "--api-key", "sk-flag"])).api_key == "sk-flag"

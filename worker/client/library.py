@@ -127,6 +127,44 @@ async def discover_workers(
     return found
 
 
+async def find_worker(
+    nc: NATS,
+    generate_subject: str,
+    *,
+    window: float,
+    jetstream: bool = False,
+    name: str = SERVICE_NAME,
+) -> dict[str, str] | None:
+    """The discovery metadata (`instance_id`, `model`, `max_model_len`, ...) of the first worker
+    that answers `$SRV.INFO.<name>` within `window` seconds and serves `generate_subject` (with
+    `jetstream`: that subject's work queue); None when none does."""
+    queue = subjects_of(generate_subject).queue if jetstream else None
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    try:
+        await nc.publish(f"$SRV.INFO.{name}", b"", reply=inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + window
+        while (left := deadline - loop.time()) > 0:
+            try:
+                msg = await subscription.next_msg(timeout=left)
+            except Exception:  # nats TimeoutError: the window is over
+                break
+            try:
+                info = json.loads(msg.data)
+                metadata = dict(info.get("metadata") or {})
+                subjects = {e.get("subject") for e in info.get("endpoints") or []}
+            except (ValueError, TypeError, AttributeError):
+                continue  # not a micro INFO answer
+            if (queue is None and generate_subject in subjects) or (
+                queue is not None and metadata.get("queue_subject") == queue
+            ):
+                return metadata
+    finally:
+        await subscription.unsubscribe()
+    return None
+
+
 def _instance_from_stats(data: bytes, generate_subject: str) -> WorkerInstance | None:
     try:
         stats = json.loads(data)

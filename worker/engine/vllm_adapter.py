@@ -188,6 +188,7 @@ class VllmEngine:
                 "presence_penalty",
                 "frequency_penalty",
                 "repetition_penalty",
+                "logit_bias",
             )
             if (value := getattr(sampling, name)) is not None
         }

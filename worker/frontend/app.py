@@ -1,19 +1,24 @@
-"""Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (streaming or not).
+"""Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (streaming or not), and
+vLLM's `/tokenize`, `/detokenize`, `/health`, `/metrics`, `/version`.
 
 Each request is tokenized here, sent over NATS with `worker.client.generate` (which retries a
-refusal on another worker while nothing was returned yet) and converted by openai_shapes.
-Invariants:
-- the first frame is awaited before any HTTP status is chosen, so a request the worker refuses
-  (invalid, overloaded everywhere) is an OpenAI error body with a 4xx/5xx status, streaming or not;
+refusal on another worker while nothing was returned yet) and converted by openai_shapes. A
+completions batch (a list of prompts) is one NATS request per prompt, answered as one response:
+choice `prompt_index * n + j`, as vLLM numbers them. Invariants:
+- the first frame of every prompt is awaited before any HTTP status is chosen, so a request the
+  worker refuses (invalid, overloaded everywhere) is an OpenAI error body with a 4xx/5xx status,
+  streaming or not; one prompt's error is the whole response's (the others are cancelled);
 - an HTTP client that goes away (or a request that stops for any reason) closes the frame
-  iterator, which publishes a cancel: the engine is freed within a round trip. If this process
-  dies instead, its NATS inbox disappears and the worker's liveness probe aborts the request.
+  iterators, which publish their cancels: the engine is freed within a round trip. If this
+  process dies instead, its NATS inbox disappears and the worker's liveness probe aborts them;
+- with an API key, nothing under `/v1` runs without it (401 before any route).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -23,16 +28,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
-from fastapi import FastAPI, Request
+import pydantic
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nats.aio.client import Client as NATS
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from messages.errors import kind
 from messages.frames import ResponseFrame
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
-from messages.subjects import Subjects
-from worker.client import FrameOrderError, RequestError, generate, jetstream_stream, subjects_of
+from worker import __version__
+from worker.client import (
+    FrameOrderError,
+    RequestError,
+    find_worker,
+    generate,
+    jetstream_stream,
+    subjects_of,
+)
+from worker.frontend.metrics import FrontendMetrics, route_label
 from worker.frontend.openai_shapes import (
     ChatChoice,
     CompletionChoice,
@@ -41,11 +56,17 @@ from worker.frontend.openai_shapes import (
     usage,
 )
 from worker.frontend.schemas import (
+    UNION_SHAPES,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     InvalidField,
     SamplingFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
+from worker.frontend.settings import FrontendSettings
 from worker.frontend.tokenizer import ChatTemplateMissing, ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -53,16 +74,7 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 
 
-@dataclass(frozen=True)
-class FrontendSettings:
-    model_name: str
-    subject: str = Subjects().generate
-    timeout_s: float = 60.0
-    """Longest wait for the next frame."""
-    retries: int = 2
-    """Further attempts on other workers after a retryable refusal (overloaded, shutdown)."""
-    jetstream: bool = False
-    """Publish to the subject's JetStream work queue (workers in `--mode jetstream`)."""
+__all__ = ["FrontendSettings", "create_app"]
 
 
 class OpenAIError(Exception):
@@ -101,9 +113,17 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if isinstance(cause, InvalidField):
         return OpenAIError(400, cause.message, "invalid_request_error", cause.param)
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
-    # Union members add their type name to the path (`prompt.str`): not part of the field.
-    location = [part for part in location if part not in ("str", "list[int]", "function-after")]
+    # Union members add their type name to the path (`prompt.str`, `prompt.list[int]`): not
+    # part of the field.
+    tags = ("str", "int", "function-after")
+    shapes = [part for part in location if part in tags or "[" in part]
+    location = [part for part in location if part not in tags and "[" not in part]
     param = ".".join(location) or None
+    if shapes and location and location[0] in UNION_SHAPES:
+        field_name = location[0]
+        got = json.dumps(error.get("input"), default=str)[:100]
+        message = f"{field_name}: must be {UNION_SHAPES[field_name]} (got {got})"
+        return OpenAIError(400, message, "invalid_request_error", field_name)
     if error.get("type") == "extra_forbidden" and param:
         return OpenAIError(
             400,
@@ -128,6 +148,7 @@ def _sampling(body: SamplingFields) -> SamplingOptions:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
+        logit_bias=body.token_bias,
     )
 
 
@@ -137,12 +158,12 @@ async def _watch_disconnect(request: Request) -> None:
 
 
 async def _until_disconnected(
-    request: Request, frames: AsyncGenerator[ResponseFrame, None]
+    watcher: asyncio.Task[None], frames: AsyncGenerator[ResponseFrame, None]
 ) -> AsyncGenerator[ResponseFrame, None]:
-    """`frames`, stopped (and so cancelled on the worker) as soon as the HTTP client is gone.
-    Polling is needed: a stream that waits for its next frame sends nothing that could fail.
-    Closing this closes `frames` too, whatever the reason (disconnect, error, task cancelled)."""
-    watcher = asyncio.create_task(_watch_disconnect(request))
+    """`frames`, stopped (and so cancelled on the worker) as soon as `watcher` (the HTTP
+    request's one `_watch_disconnect`, shared by a batch's prompts) ends. Polling is needed: a
+    stream that waits for its next frame sends nothing that could fail. Closing this closes
+    `frames` too, whatever the reason (disconnect, error, task cancelled)."""
     step: asyncio.Future[ResponseFrame] | None = None
     try:
         while True:
@@ -158,7 +179,6 @@ async def _until_disconnected(
             step = None
             yield frame
     finally:
-        watcher.cancel()
         if step is not None and not step.done():
             # The generator cannot be closed while a step of it runs: end that step first.
             step.cancel()
@@ -174,7 +194,7 @@ class FrameSource:
         self._frames = frames
         self.first = first
 
-    async def all(self) -> AsyncIterator[ResponseFrame]:
+    async def all(self) -> AsyncGenerator[ResponseFrame, None]:
         yield self.first
         async for frame in self._frames:
             yield frame
@@ -182,12 +202,59 @@ class FrameSource:
     async def aclose(self) -> None:
         await self._frames.aclose()
 
-    async def fold(self, add: Callable[[ResponseFrame], object]) -> None:
-        """Non-streaming: every frame through `add`; a worker error frame is the HTTP error."""
-        async for frame in self.all():
-            if frame.error:
-                raise OpenAIError.from_worker(frame.error.code, frame.error.message)
-            add(frame)
+
+class Batch:
+    """One HTTP request's NATS requests (one per prompt of a completions batch, else one), each
+    with its first frame read, and the one watcher of the HTTP client's disconnect."""
+
+    def __init__(self, sources: list[FrameSource], watcher: asyncio.Task[None]) -> None:
+        self.sources = sources
+        self._watcher = watcher
+
+    async def frames(self) -> AsyncGenerator[tuple[int, ResponseFrame], None]:
+        """(prompt index, frame): every prompt's frames, interleaved as they arrive (each
+        prompt's in its own order). Leaving early stops every prompt's request."""
+        streams = [source.all() for source in self.sources]
+        pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for step in sorted(done, key=pending.__getitem__):
+                    index = pending.pop(step)
+                    try:
+                        frame = step.result()
+                    except StopAsyncIteration:
+                        continue
+                    pending[asyncio.ensure_future(anext(streams[index]))] = index
+                    yield index, frame
+        finally:
+            for step in pending:
+                step.cancel()
+            for step in pending:
+                with contextlib.suppress(BaseException):
+                    await step
+            for stream in streams:
+                await stream.aclose()
+
+    async def aclose(self) -> None:
+        """Stops every prompt's request (a cancel for those still running). Idempotent."""
+        try:
+            for source in self.sources:
+                await source.aclose()
+        finally:
+            self._watcher.cancel()
+
+    async def fold(self, add: Callable[[int, ResponseFrame], object]) -> None:
+        """Non-streaming: every frame through `add(prompt index, frame)`; a worker error frame
+        is the HTTP error (the other prompts' requests are cancelled)."""
+        try:
+            async with contextlib.aclosing(self.frames()) as frames:
+                async for index, frame in frames:
+                    if frame.error:
+                        raise OpenAIError.from_worker(frame.error.code, frame.error.message)
+                    add(index, frame)
+        finally:
+            await self.aclose()
 
 
 @dataclass
@@ -198,6 +265,7 @@ class Reply:
     model: str
     prompt_tokens: int
     choices: Sequence[CompletionChoice | ChatChoice]
+    metrics: FrontendMetrics
     created: int = field(default_factory=lambda: int(time.time()))
 
     def envelope(self, object_: str, choice_list: list[dict[str, Any]]) -> dict[str, Any]:
@@ -215,32 +283,43 @@ class Reply:
     def body(self, object_: str, choice_list: list[dict[str, Any]]) -> dict[str, Any]:
         return {**self.envelope(object_, choice_list), "usage": self.usage()}
 
+    def count_tokens(self) -> None:
+        """Adds an answered request's usage to the metrics."""
+        usage = self.usage()
+        self.metrics.tokens.labels("prompt").inc(usage["prompt_tokens"])
+        self.metrics.tokens.labels("completion").inc(usage["completion_tokens"])
+
     def stream(
         self,
-        source: FrameSource,
+        source: Batch,
         object_: str,
-        chunk_of: Callable[[ResponseFrame], dict[str, Any] | None],
+        chunk_of: Callable[[int, ResponseFrame], dict[str, Any] | None],
         *,
         include_usage: bool,
         opening: Sequence[dict[str, Any]] = (),
     ) -> StreamingResponse:
-        """SSE: the `opening` chunks, one chunk per frame that `chunk_of` makes one of, then
-        usage if asked, then [DONE]. Past the headers a failure can only be an error event,
-        and the stream still ends with [DONE]; leaving early closes `source` (a cancel)."""
+        """SSE: the `opening` chunks, one chunk per frame that `chunk_of(prompt index, frame)`
+        makes one of, then usage if asked, then [DONE]. Past the headers a failure can only be
+        an error event, and the stream still ends with [DONE]; leaving early closes `source`
+        (a cancel per prompt)."""
 
         async def events() -> AsyncIterator[str]:
             try:
                 for opener in opening:
                     yield _sse(self.envelope(object_, [opener]))
-                async for frame in source.all():
-                    if frame.error:
-                        error = OpenAIError.from_worker(frame.error.code, frame.error.message)
-                        yield _sse(error.body())
-                        break
-                    chunk = chunk_of(frame)
-                    if chunk is not None:
-                        yield _sse(self.envelope(object_, [chunk]))
-                else:
+                failed = False
+                async with contextlib.aclosing(source.frames()) as frames:
+                    async for index, frame in frames:
+                        if frame.error:
+                            error = OpenAIError.from_worker(frame.error.code, frame.error.message)
+                            yield _sse(error.body())
+                            failed = True
+                            break
+                        chunk = chunk_of(index, frame)
+                        if chunk is not None:
+                            yield _sse(self.envelope(object_, [chunk]))
+                if not failed:
+                    self.count_tokens()
                     if include_usage:
                         yield _sse(self.body(object_, []))
             except Exception as error:
@@ -252,17 +331,67 @@ class Reply:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+class Gate:
+    """ASGI middleware in front of every route: the API key (`/v1/*` only, as vLLM's server)
+    and the request metrics (status, duration to the end of the body, in flight). Pure ASGI,
+    not BaseHTTPMiddleware, so streams and disconnect polling pass through untouched."""
+
+    def __init__(self, app: ASGIApp, settings: FrontendSettings, metrics: FrontendMetrics):
+        self.app = app
+        self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        self.metrics = metrics
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.expected is None or not scope["path"].startswith("/v1"):
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self.expected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = route_label(scope["path"])
+        started = time.monotonic()
+        status = 500  # unless a response starts
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            if self._authorized(scope):
+                await self.app(scope, receive, sending)
+            else:
+                error = OpenAIError(
+                    401,
+                    "invalid or missing API key: send the header Authorization: Bearer <key>",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
+                await JSONResponse(error.body(), status_code=401)(scope, receive, sending)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.duration.labels(route).observe(time.monotonic() - started)
+
+
 def create_app(
     settings: FrontendSettings,
     tokenizer: ModelTokenizer,
     nc: NATS | None = None,
     connect: Callable[[], Awaitable[NATS]] | None = None,
+    metrics: FrontendMetrics | None = None,
 ) -> FastAPI:
     """`nc`: an open connection (tests); else `connect()` is awaited at start-up and the
-    connection closed at shutdown."""
+    connection closed at shutdown. `metrics`: default, a registry of this app's own."""
     state: dict[str, NATS] = {}
     if nc is not None:
         state["nc"] = nc
+    metrics = metrics or FrontendMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -275,7 +404,8 @@ def create_app(
             if owned is not None:
                 await owned.close()
 
-    app = FastAPI(title="vllm-nats-worker OpenAI frontend", lifespan=lifespan)
+    app = FastAPI(title="vllm-nats-worker OpenAI frontend", version=__version__, lifespan=lifespan)
+    app.add_middleware(Gate, settings=settings, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -286,31 +416,56 @@ def create_app(
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    def check_model(name: str) -> None:
-        if name != settings.model_name:
+    def served_name(name: str | None) -> str:
+        """The name a response carries: the one asked for, or the first served one (vLLM's
+        rule when `model` is left out); a name not served is a 404."""
+        if name is None:
+            return settings.model_names[0]
+        if name not in settings.model_names:
             raise OpenAIError(
                 404, f"The model `{name}` does not exist.", "NotFoundError", "model", 404
             )
+        return name
 
-    async def start(request: Request, generate_request: GenerateRequest) -> FrameSource:
+    def connection() -> NATS:
         if "nc" not in state or not state["nc"].is_connected:
             raise OpenAIError(503, "not connected to NATS", "service_unavailable")
+        return state["nc"]
+
+    async def max_model_len() -> int | None:
+        """The context length a worker of the subject reports in discovery; None if none
+        answers in time (nothing here knows it otherwise: the engine is the workers')."""
+        if "nc" not in state or not state["nc"].is_connected:
+            return None
+        found = await find_worker(
+            state["nc"],
+            settings.subject,
+            window=settings.discovery_window_s,
+            jetstream=settings.jetstream,
+        )
+        try:
+            return int(found["max_model_len"]) if found else None
+        except (KeyError, ValueError):
+            return None
+
+    async def start(watcher: asyncio.Task[None], generate_request: GenerateRequest) -> FrameSource:
+        nc = connection()
         if settings.jetstream:
             source = jetstream_stream(
-                state["nc"],
+                nc,
                 generate_request,
                 subjects=subjects_of(settings.subject),
                 timeout=settings.timeout_s,
             )
         else:
             source = generate(
-                state["nc"],
+                nc,
                 generate_request,
                 subject=settings.subject,
                 timeout=settings.timeout_s,
                 retries=settings.retries,
             )
-        frames = _until_disconnected(request, source)
+        frames = _until_disconnected(watcher, source)
         try:
             first = await anext(frames)
         except StopAsyncIteration:
@@ -323,75 +478,205 @@ def create_app(
             raise OpenAIError.from_worker(first.error.code, first.error.message)
         return FrameSource(frames, first)
 
+    async def start_batch(request: Request, generate_requests: list[GenerateRequest]) -> Batch:
+        """Every prompt's request sent at once and its first frame read; any failure is the
+        whole response's (the first, in prompt order), and the others are cancelled."""
+        watcher = asyncio.create_task(_watch_disconnect(request))
+        try:
+            started = await asyncio.gather(
+                *(start(watcher, r) for r in generate_requests), return_exceptions=True
+            )
+        except BaseException:
+            watcher.cancel()
+            raise
+        sources = [s for s in started if isinstance(s, FrameSource)]
+        batch = Batch(sources, watcher)
+        if failures := [s for s in started if isinstance(s, BaseException)]:
+            await batch.aclose()
+            raise _transport_error(failures[0])
+        return batch
+
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse:
+        """200 when a worker of the subject answers discovery in time, else 503 and why."""
+        if "nc" not in state or not state["nc"].is_connected:
+            return JSONResponse({"status": "unavailable", "reason": "not connected to NATS"}, 503)
+        found = await find_worker(
+            state["nc"],
+            settings.subject,
+            window=settings.health_timeout_s,
+            jetstream=settings.jetstream,
+        )
+        if found is None:
+            reason = (
+                f"no worker of {settings.subject} answered within {settings.health_timeout_s} s"
+            )
+            return JSONResponse({"status": "unavailable", "reason": reason}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(
+            metrics.exposition(settings.metrics_dir),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        context = await max_model_len()
         return {
             "object": "list",
             "data": [
                 {
-                    "id": settings.model_name,
+                    "id": name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "vllm-nats-worker",
+                    "root": settings.model_path or name,
+                    "parent": None,
+                    "max_model_len": context,
                 }
+                for name in settings.model_names
             ],
         }
+
+    def encode_messages(messages: list[ChatMessage], **options: Any) -> list[int]:
+        try:
+            return tokenizer.encode_chat(
+                [{"role": m.role, "content": m.text()} for m in messages], **options
+            )
+        except ChatTemplateMissing as error:
+            raise OpenAIError(
+                400, f"messages: {error}", "invalid_request_error", "messages"
+            ) from error
+        except Exception as error:  # a template that rejects these messages (roles, order)
+            raise OpenAIError(
+                400,
+                f"messages: the chat template failed: {error}",
+                "invalid_request_error",
+                "messages",
+            ) from error
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
+        """vLLM's two shapes: `prompt` (TokenizeCompletionRequest) or `messages`
+        (TokenizeChatRequest), told apart by which of them the body has."""
+        shape = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        try:
+            parsed = shape.model_validate(body)
+        except pydantic.ValidationError as error:
+            raise RequestValidationError(error.errors()) from error
+        served_name(parsed.model)
+        if isinstance(parsed, TokenizeChatRequest):
+            token_ids = encode_messages(
+                parsed.messages,
+                template_kwargs=parsed.chat_template_kwargs,
+                add_generation_prompt=parsed.add_generation_prompt,
+                add_special_tokens=parsed.add_special_tokens,
+            )
+        else:
+            token_ids = tokenizer.encode_prompt(parsed.prompt, parsed.add_special_tokens)
+        return {
+            "count": len(token_ids),
+            "max_model_len": await max_model_len(),
+            "tokens": token_ids,
+            "token_strs": tokenizer.token_strs(token_ids) if parsed.return_token_strs else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        served_name(body.model)
+        for position, token_id in enumerate(body.tokens):
+            if token_id >= len(tokenizer):
+                raise OpenAIError(
+                    400,
+                    f"tokens.{position}: token id {token_id} is outside the tokenizer's "
+                    f"vocabulary (must be < {len(tokenizer)})",
+                    "invalid_request_error",
+                    f"tokens.{position}",
+                )
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions", response_model=None)
     async def completions(
         body: CompletionRequest, request: Request
     ) -> JSONResponse | StreamingResponse:
-        check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids, prompt_text = tokenizer.encode_prompt(body.prompt), body.prompt
-        else:
-            prompt_ids, prompt_text = list(body.prompt), None
-        if not prompt_ids:
-            raise OpenAIError(400, "prompt: must not be empty", "invalid_request_error", "prompt")
+        model = served_name(body.model)
+        prompts: list[tuple[list[int], str | None]] = []
+        for position, prompt in enumerate(body.prompts):
+            if isinstance(prompt, str):
+                prompts.append((tokenizer.encode_prompt(prompt), prompt))
+            else:
+                prompts.append((list(prompt), None))
+            if not prompts[-1][0]:
+                param = f"prompt.{position}" if body.batched else "prompt"
+                raise OpenAIError(
+                    400, f"{param}: must not be empty", "invalid_request_error", param
+                )
         k = body.logprobs
-        generate_request = GenerateRequest(
-            request_id=f"cmpl-{uuid.uuid4().hex}",
-            token_ids=prompt_ids,
-            sampling_options=_sampling(body),
-            stop_conditions=StopConditions(
-                max_tokens=body.max_tokens,
-                min_tokens=body.min_tokens,
-                ignore_eos=body.ignore_eos,
-                stop_token_ids=body.stop_token_ids,
-            ),
-            output_options=OutputOptions(
-                logprobs=k, prompt_logprobs=k if body.echo and k is not None else None
-            ),
-        )
-        source = await start(request, generate_request)
-        choices: list[CompletionChoice] = [CompletionChoice(i, tokenizer, k) for i in range(body.n)]
-        reply = Reply(generate_request.request_id, settings.model_name, len(prompt_ids), choices)
-        prompt_log_probs: list[float | None] = []
-        prompt_rows: list[Any] = []
+        # Prompt scoring (echo, max_tokens 0): the wire's max_tokens is >= 1, so one token is
+        # generated and dropped, as vLLM's server does; only the prompt and its logprobs return.
+        scoring = body.scoring
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generate_requests = [
+            GenerateRequest(
+                request_id=f"{request_id}-{i}" if body.batched else request_id,
+                token_ids=prompt_ids,
+                sampling_options=_sampling(body),
+                stop_conditions=StopConditions(
+                    max_tokens=1 if scoring else body.max_tokens,
+                    min_tokens=body.min_tokens,
+                    ignore_eos=body.ignore_eos,
+                    stop_token_ids=body.stop_token_ids,
+                ),
+                output_options=OutputOptions(
+                    logprobs=None if scoring else k,
+                    prompt_logprobs=k if body.echo and k is not None else None,
+                ),
+            )
+            for i, (prompt_ids, _) in enumerate(prompts)
+        ]
+        source = await start_batch(request, generate_requests)
+        n = body.n
+        choices = [
+            CompletionChoice(p * n + j, tokenizer, k, score_only=scoring)
+            for p in range(len(prompts))
+            for j in range(n)
+        ]
+        reply = Reply(request_id, model, sum(len(ids) for ids, _ in prompts), choices, metrics)
+        # Each prompt's logprobs and rows, filled by the frames that precede its tokens.
+        prompt_logprobs: list[tuple[list[float | None], list[Any]]] = [([], []) for _ in prompts]
 
-        def feed(frame: ResponseFrame) -> tuple[CompletionChoice, str, dict[str, Any]] | None:
+        def feed(
+            prompt: int, frame: ResponseFrame
+        ) -> tuple[CompletionChoice, str, dict[str, Any]] | None:
             """Folds one frame in; None for prompt-logprob frames (they precede all tokens)."""
             if frame.prompt_log_probs:
-                prompt_log_probs.extend(frame.prompt_log_probs)
-                prompt_rows.extend(frame.prompt_top_logprobs or [])
+                prompt_logprobs[prompt][0].extend(frame.prompt_log_probs)
+                prompt_logprobs[prompt][1].extend(frame.prompt_top_logprobs or [])
                 return None
-            choice = choices[frame.index]
+            choice = choices[prompt * n + frame.index]
             if body.echo and choice.echo is None:
-                choice.echo = echo()
+                choice.echo = echo(prompt)
             delta, logprobs = choice.add(frame)
             return choice, delta, logprobs
 
-        def echo() -> PromptEcho:
-            return prompt_echo(
-                tokenizer, prompt_ids, prompt_text, prompt_log_probs, prompt_rows, k is not None
-            )
+        def echo(prompt: int) -> PromptEcho:
+            prompt_ids, prompt_text = prompts[prompt]
+            log_probs, rows = prompt_logprobs[prompt]
+            return prompt_echo(tokenizer, prompt_ids, prompt_text, log_probs, rows, k is not None)
 
         if not body.stream:
             await source.fold(feed)
+            reply.count_tokens()
             return JSONResponse(reply.body("text_completion", [c.choice() for c in choices]))
 
-        def chunk_of(frame: ResponseFrame) -> dict[str, Any] | None:
-            fed = feed(frame)
+        def chunk_of(prompt: int, frame: ResponseFrame) -> dict[str, Any] | None:
+            fed = feed(prompt, frame)
             if fed is None:
                 return None
             choice, delta, logprobs = fed
@@ -410,21 +695,8 @@ def create_app(
     async def chat_completions(
         body: ChatCompletionRequest, request: Request
     ) -> JSONResponse | StreamingResponse:
-        check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt_ids = tokenizer.encode_chat(messages, body.chat_template_kwargs or {})
-        except ChatTemplateMissing as error:
-            raise OpenAIError(
-                400, f"messages: {error}", "invalid_request_error", "messages"
-            ) from error
-        except Exception as error:  # a template that rejects these messages (roles, order)
-            raise OpenAIError(
-                400,
-                f"messages: the chat template failed: {error}",
-                "invalid_request_error",
-                "messages",
-            ) from error
+        model = served_name(body.model)
+        prompt_ids = encode_messages(body.messages, template_kwargs=body.chat_template_kwargs)
         k = (body.top_logprobs or 0) if body.logprobs else None
         generate_request = GenerateRequest(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -438,15 +710,16 @@ def create_app(
             ),
             output_options=OutputOptions(logprobs=k),
         )
-        source = await start(request, generate_request)
+        source = await start_batch(request, [generate_request])
         choices = [ChatChoice(i, tokenizer, k) for i in range(body.n)]
-        reply = Reply(generate_request.request_id, settings.model_name, len(prompt_ids), choices)
+        reply = Reply(generate_request.request_id, model, len(prompt_ids), choices, metrics)
 
         if not body.stream:
-            await source.fold(lambda frame: choices[frame.index].add(frame))
+            await source.fold(lambda _, frame: choices[frame.index].add(frame))
+            reply.count_tokens()
             return JSONResponse(reply.body("chat.completion", [c.message() for c in choices]))
 
-        def chunk_of(frame: ResponseFrame) -> dict[str, Any] | None:
+        def chunk_of(_: int, frame: ResponseFrame) -> dict[str, Any] | None:
             choice = choices[frame.index]
             delta, entries = choice.add(frame)
             if not delta and not entries and frame.finish_reason is None:

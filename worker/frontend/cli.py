@@ -1,5 +1,6 @@
 """`python -m worker.frontend --nats-url URL --model PATH [--subject S] [--port P]
-[--processes N]`."""
+[--processes N] [--api-key KEY]`: the options (defaults from worker/frontend/settings.py) and
+one process's server."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ import asyncio
 import logging
 import socket
 import sys
+import tempfile
 
-from messages.subjects import Subjects
-from worker.config import at_least_one
+from worker.config import at_least_one, default, environment, share_metrics_with_children
+from worker.frontend.settings import FrontendSettings
 from worker.nats.options import LOCAL_URL, add_nats_arguments, nats_config
+
+
+def _default(name: str) -> object:
+    return default(FrontendSettings, name)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,30 +30,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model", required=True, help="the model's directory (its tokenizer is loaded)"
     )
     parser.add_argument(
-        "--served-model-name", help="the name clients send as `model` (default: --model)"
+        "--served-model-name",
+        nargs="+",
+        help="the names clients may send as `model`, each accepted and listed by /v1/models; a "
+        "request without `model` gets the first (default: --model)",
     )
-    parser.add_argument("--subject", default=Subjects().generate, help="the generate subject")
+    parser.add_argument(
+        "--subject", default=_default("subject"), help="the generate subject (default: %(default)s)"
+    )
     parser.add_argument(
         "--jetstream",
         action="store_true",
         help="publish requests to the JetStream work queue of --subject's workers (workers in "
         "--mode jetstream) instead of the core subject",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait per frame")
     parser.add_argument(
-        "--retries", type=int, default=2, help="retries of a refused request on other workers"
+        "--host",
+        default=_default("host"),
+        help="bind address (default: %(default)s, all interfaces, as vllm serve; 127.0.0.1: "
+        "this host only)",
+    )
+    parser.add_argument("--port", type=int, default=_default("port"), help="(default: %(default)s)")
+    parser.add_argument(
+        "--api-key",
+        default=environment().get("api_key"),
+        help="require `Authorization: Bearer KEY` on /v1/* (401 without) [env VLLM_API_KEY]",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=_default("timeout_s"),
+        help="seconds to wait per frame (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=_default("retries"),
+        help="retries of a refused request on other workers (default: %(default)s)",
     )
     parser.add_argument(
         "--processes",
         type=at_least_one,
-        default=1,
+        default=_default("processes"),
         help="frontend processes on the port, each with its own event loop, tokenizer and NATS "
-        "connection (worker/frontend/processes.py); default 1",
+        "connection (worker/frontend/processes.py; default: %(default)s)",
     )
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
+
+
+def settings_of(args: argparse.Namespace) -> FrontendSettings:
+    return FrontendSettings(
+        model_names=tuple(args.served_model_name or [args.model]),
+        model_path=args.model,
+        subject=args.subject,
+        timeout_s=args.timeout,
+        retries=args.retries,
+        jetstream=args.jetstream,
+        api_key=args.api_key or None,
+        host=args.host,
+        port=args.port,
+        processes=args.processes,
+        metrics_dir=getattr(args, "metrics_dir", None),
+    )
 
 
 def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
@@ -55,17 +100,11 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
     import uvicorn
     from nats.aio.client import Client as NATS
 
-    from worker.frontend.app import FrontendSettings, create_app
+    from worker.frontend.app import create_app
     from worker.frontend.tokenizer import ModelTokenizer
     from worker.nats.connection import connect as nats_connect
 
-    settings = FrontendSettings(
-        model_name=args.served_model_name or args.model,
-        subject=args.subject,
-        timeout_s=args.timeout,
-        retries=args.retries,
-        jetstream=args.jetstream,
-    )
+    settings = settings_of(args)
 
     async def connect() -> NATS:
         return await nats_connect(nats_config(args, name="vllm-nats-frontend"))
@@ -103,4 +142,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     from worker.frontend import processes
 
-    sys.exit(processes.run(args, args.processes, serve))
+    # The processes' metrics are summed through files in one directory (prometheus-client's
+    # multiprocess mode); each process is spawned after this, so each writes there.
+    with tempfile.TemporaryDirectory(prefix="vllm-nats-frontend-metrics-") as metrics_dir:
+        share_metrics_with_children(metrics_dir)
+        args.metrics_dir = metrics_dir
+        code = processes.run(args, args.processes, serve)
+    sys.exit(code)

@@ -152,11 +152,14 @@ def prompt_echo(
 @dataclass
 class CompletionChoice:
     """One completions choice being assembled. `text_offset` is where each token's text starts
-    in the choice's `text` (echoed prompt included)."""
+    in the choice's `text` (echoed prompt included). `score_only` (echo with max_tokens 0):
+    generated tokens are dropped, so the choice is the echoed prompt alone, its finish reason
+    the one token's (`length`), and it counts no completion tokens."""
 
     index: int
     tokenizer: ModelTokenizer
     logprobs_k: int | None  # None: logprobs were not asked
+    score_only: bool = False
     echo: PromptEcho | None = None
     text: str = ""
     logprobs: dict[str, list[Any]] = field(default_factory=empty_completion_logprobs)
@@ -177,7 +180,7 @@ class CompletionChoice:
                 if self.echo.logprobs is not None:
                     logprobs = {key: list(value) for key, value in self.echo.logprobs.items()}
         base = len(self.echo.text) if self.echo is not None else 0
-        for token_id, logprob, row in _steps(frame):
+        for token_id, logprob, row in [] if self.score_only else _steps(frame):
             offset = base + len(self._decoder.text)
             delta += self._decoder.feed(token_id)
             if self.logprobs_k is not None and row is not None:
@@ -185,7 +188,8 @@ class CompletionChoice:
                 logprobs["token_logprobs"].append(floor_logprob(logprob))
                 logprobs["top_logprobs"].append({e.token: floor_logprob(e.logprob) for e in row})
                 logprobs["text_offset"].append(offset)
-        self.completion_tokens += len(frame.token_ids)
+        if not self.score_only:
+            self.completion_tokens += len(frame.token_ids)
         if frame.finish_reason is not None:
             delta += self._decoder.finish()
             self.finish_reason = openai_finish_reason(frame.finish_reason)

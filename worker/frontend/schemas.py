@@ -2,20 +2,26 @@
 names the field, see app.py).
 
 Every field is honoured or refused with a 400 that names it, never silently ignored, as the
-worker does on the wire: stop strings, `best_of`, `suffix`, `logit_bias`, tools, response
-formats, `prompt_logprobs`, `skip_special_tokens: false`, guided decoding and any field not
-declared here are refused (`extra="forbid"`). Besides OpenAI's fields, vLLM's sampling extras
-`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and (chat)
+worker does on the wire: stop strings, `best_of`, `suffix`, tools, response formats,
+`prompt_logprobs`, `skip_special_tokens: false`, guided decoding and any field not declared here
+are refused (`extra="forbid"`). Besides OpenAI's fields, vLLM's sampling extras `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and (chat)
 `chat_template_kwargs` are honoured, so requests written for vLLM's server work here too.
+`logit_bias` is honoured (token id strings → bias, clamped to ±100 as vLLM's server does);
+`model` may be left out (the first served name); completions take a batch of prompts and
+`echo` with `max_tokens` 0 (prompt scoring).
 OpenAI's bookkeeping fields that do not change an answer (`user`, `metadata`, `store`,
 `service_tier`) are accepted.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from messages.request import LOGIT_BIAS_MAX
 
 # OpenAI's own range for chat `top_logprobs`; completions' `logprobs` is capped by the worker's
 # engine (`--max-logprobs`), which the worker checks and names in its error.
@@ -40,7 +46,8 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    # None (or left out): the first served model name, as vLLM's server.
+    model: str | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -83,8 +90,11 @@ class SamplingFields(BaseModel):
                 "prompt_logprobs",
                 "not supported by this frontend (completions: echo with logprobs)",
             )
-        if self.logit_bias:
-            raise InvalidField("logit_bias", "not supported by this frontend")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise InvalidField("logit_bias", f"keys must be token ids, got {key!r}")
+            if not math.isfinite(bias):
+                raise InvalidField("logit_bias", f"bias of {key} must be finite, got {bias}")
         if self.stream_options is not None and not self.stream:
             raise InvalidField("stream_options", "only allowed when stream is true")
         return self
@@ -93,11 +103,32 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def token_bias(self) -> dict[int, float] | None:
+        """`logit_bias` as the wire has it: int ids, biases clamped to ±100 (vLLM's server
+        clamps; the wire refuses beyond)."""
+        if not self.logit_bias:
+            return None
+        return {
+            int(key): max(-LOGIT_BIAS_MAX, min(LOGIT_BIAS_MAX, bias))
+            for key, bias in self.logit_bias.items()
+        }
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# What a field of several shapes (a union) must be: pydantic reports a mismatch against each
+# shape in turn ("should be a valid string" for a list), so the error says all of them.
+UNION_SHAPES = {
+    "prompt": "a string, a list of token ids, or a batch: a list of strings or a list of "
+    "token-id lists (none empty)",
+}
+
 
 class CompletionRequest(SamplingFields):
-    # A string, or the prompt's token ids. Batches (a list of prompts) are not served.
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # A string, its token ids, or a batch of either (one NATS request per prompt).
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    # 0 only with echo: prompt scoring (the prompt and its logprobs, nothing generated).
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     best_of: int | None = None
@@ -109,7 +140,32 @@ class CompletionRequest(SamplingFields):
             raise InvalidField("best_of", "not supported by this frontend (use n)")
         if self.suffix:
             raise InvalidField("suffix", "not supported by this frontend")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise InvalidField("prompt", "must not be empty")
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise InvalidField("max_tokens", "must be >= 1 (0 only with echo: prompt scoring)")
+            if self.min_tokens:
+                raise InvalidField("min_tokens", "must be <= max_tokens (0)")
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (one unless it is a batch)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def batched(self) -> bool:
+        return len(self.prompts) > 1 or (
+            isinstance(self.prompt, list) and not isinstance(self.prompt[0], int)
+        )
+
+    @property
+    def scoring(self) -> bool:
+        """echo with max_tokens 0: vLLM's prompt scoring."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(BaseModel):
@@ -159,3 +215,36 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """`POST /tokenize` with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """`POST /tokenize` with chat messages (vLLM's shape): rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

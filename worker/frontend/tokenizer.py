@@ -36,22 +36,42 @@ class ModelTokenizer:
         table = TokenTable.from_tokenizer(tokenizer, len(tokenizer))
         return cls(tokenizer, table, frozenset(tokenizer.all_special_ids))
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Completions: special tokens added the way the tokenizer's own config says (vLLM too)."""
-        return list(self.tokenizer(text).input_ids)
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def encode_chat(
-        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, str]],
+        template_kwargs: dict[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """The chat template rendered with the assistant's generation prompt, then encoded
-        without extra special tokens: the template already holds them (vLLM does the same).
-        `template_kwargs`: the request's `chat_template_kwargs`, variables of the template."""
+        """The chat template rendered (with the assistant's generation prompt unless told
+        otherwise, as `/tokenize` may), then encoded without extra special tokens by default:
+        the template already holds them (vLLM does the same). `template_kwargs`: the request's
+        `chat_template_kwargs`, variables of the template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateMissing("the model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary pieces of the ids (`/tokenize`'s `token_strs`, as vLLM gives them)."""
+        return list(self.tokenizer.convert_ids_to_tokens(token_ids))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """`/detokenize`: the tokenizer's own decode, as vLLM's server does."""
+        return str(self.tokenizer.decode(token_ids))
+
+    def __len__(self) -> int:
+        return len(self.table)
 
     def token_text(self, token_id: int) -> str:
         return self.table.texts[token_id] if token_id < len(self.table) else ""

@@ -1,0 +1,69 @@
+"""The frontend's Prometheus metrics, served on its own `/metrics`.
+
+Each app has its own registry (several apps in one process, as in the tests, do not clash). With
+`--processes N` prometheus-client runs in multiprocess mode (the command line points
+PROMETHEUS_MULTIPROC_DIR at a directory before the processes start): every process writes its
+values to files there and `/metrics` sums them, so any process answers for the whole frontend.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# The routes labelled by name; anything else is "other" (a label per unknown path would let
+# any client grow the series without bound).
+ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+        "/version",
+    }
+)
+
+
+def route_label(path: str) -> str:
+    return path if path in ROUTES else "other"
+
+
+class FrontendMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "nats_frontend_requests_total",
+            "HTTP requests answered, by route and status code",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "nats_frontend_request_duration_seconds",
+            "HTTP request arrival to the end of its response body (a stream's last event)",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        self.in_flight = Gauge(
+            "nats_frontend_in_flight_requests",
+            "HTTP requests being answered",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.tokens = Counter(
+            "nats_frontend_tokens_total",
+            "Tokens of answered completions requests, by kind (prompt, completion)",
+            ["kind"],
+            registry=self.registry,
+        )
+
+    def exposition(self, multiprocess_dir: str | None) -> bytes:
+        """The Prometheus text: this app's registry, or every process's summed."""
+        if multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=multiprocess_dir)
+        return generate_latest(registry)

@@ -1,0 +1,47 @@
+"""The frontend's settings: every default of `python -m worker.frontend` is decided here (its
+command line shows and uses these; the API key's environment variable is read where the
+project reads the environment, worker.config.environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from messages.subjects import Subjects
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontendSettings:
+    model_names: tuple[str, ...]
+    """The names clients may send as `model` (`--served-model-name`, several allowed; default
+    the `--model` path, as vLLM's). Each is accepted and echoed in the response; a request
+    without `model` is served as the first (vLLM's rule)."""
+    model_path: str = ""
+    """The tokenizer's directory (`--model`): `/v1/models`' `root`."""
+    subject: str = Subjects().generate
+    timeout_s: float = 60.0
+    """Longest wait for the next frame."""
+    retries: int = 2
+    """Further attempts on other workers after a retryable refusal (overloaded, shutdown)."""
+    jetstream: bool = False
+    """Publish to the subject's JetStream work queue (workers in `--mode jetstream`)."""
+    api_key: str | None = None
+    """When set, every `/v1/*` request needs `Authorization: Bearer <api_key>` (else 401); the
+    other routes (`/health`, `/metrics`, `/version`, `/tokenize`, `/detokenize`) stay open, as in
+    vLLM's server."""
+    host: str = "0.0.0.0"
+    """All interfaces, as `vllm serve`: the frontend is a network service (a container's port);
+    use `--host 127.0.0.1` (or `--api-key`) where the network is not trusted."""
+    port: int = 8000
+    processes: int = 1
+    """Frontend processes on the port (worker/frontend/processes.py)."""
+    metrics_dir: str | None = None
+    """prometheus-client's multiprocess directory when several processes serve (set by the
+    command line); `/metrics` then sums every process's metrics. None: this process's own."""
+    health_timeout_s: float = 1.0
+    """`/health`: how long to wait for a worker of the subject to answer discovery."""
+    discovery_window_s: float = 0.25
+    """`/v1/models`, `/tokenize`: how long to wait for a worker's `max_model_len`."""
+
+    def __post_init__(self) -> None:
+        if not self.model_names:
+            raise ValueError("at least one served model name is needed")
