@@ -244,7 +244,7 @@ def test_the_frontend_command_parses_with_the_frontend_cli(monkeypatch) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     args = parse_args([interpolate(arg, {}) for arg in frontend["command"]])
-    assert (args.model, args.served_model_name) == ("/model", "model")
+    assert (args.model, args.served_model_name) == ("/model", ["model"])
     assert (args.host, args.port) == ("0.0.0.0", 8000)
     config = nats_config(args)
     assert config.servers == ["nats://nats:4222"]
