@@ -333,6 +333,52 @@ async def test_completions_match_vllm_server(
 # --- validation ---------------------------------------------------------------------------
 
 
+def _stop_string_of(text: str) -> str:
+    """3 characters a third of the way into a greedy answer: a stop string it will meet."""
+    end = len(text) // 3
+    stop = text[max(0, end - 3) : end]
+    assert len(stop.strip()) == len(stop) == 3, text
+    return stop
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "included"])
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+async def test_stop_strings_match_vllm_server(
+    frontend, vllm_server, tiny_model, path: str, include: bool
+) -> None:
+    """Same text, finish_reason and stop_reason as vLLM's server, streamed and not; the
+    streamed text (held back while it may start a match) adds up to the whole answer."""
+    chat = path == "/chat/completions"
+    body: dict[str, Any] = {"model": str(tiny_model), "max_tokens": 40, "temperature": 0.0}
+    body |= {"messages": CHAT} if chat else {"prompt": "Hello there", "logprobs": 2}
+
+    def text_of(choice: dict[str, Any]) -> str:
+        return choice["message"]["content"] if chat else choice["text"]
+
+    free = (await post(vllm_server.base_url, path, body))["choices"][0]
+    stop = _stop_string_of(text_of(free))
+    body |= {"stop": [stop, "no such stop string"], "include_stop_str_in_output": include}
+    theirs = (await post(vllm_server.base_url, path, body))["choices"][0]
+    ours = (await post(frontend, path, body))["choices"][0]
+    assert (theirs["finish_reason"], theirs["stop_reason"]) == ("stop", stop)
+    assert (ours["finish_reason"], ours["stop_reason"]) == ("stop", stop)
+    assert text_of(ours) == text_of(theirs)
+    assert text_of(ours).endswith(stop) == include
+    if not chat:  # logprobs cut at the same token as vLLM's: the one that completed the match
+        for a, b in zip(ours["logprobs"]["tokens"], theirs["logprobs"]["tokens"], strict=True):
+            assert a == b or not token_strings_comparable(b, a, a.encode())
+        assert_close(ours["logprobs"]["token_logprobs"], theirs["logprobs"]["token_logprobs"])
+    chunks = await sse(frontend, path, body)
+    pieces = [
+        (ch["delta"].get("content") or "") if chat else ch["text"]
+        for c in chunks
+        for ch in c["choices"]
+    ]
+    assert "".join(pieces) == text_of(ours)
+    final = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert [(ch["finish_reason"], ch["stop_reason"]) for ch in final] == [("stop", stop)]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param", "says"),
     [
@@ -345,7 +391,8 @@ async def test_completions_match_vllm_server(
         ("/chat/completions", {"messages": []}, 400, "messages", "at least 1 item"),
         ("/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
          "messages.0.role", "'system'"),
-        ("/chat/completions", {"messages": CHAT, "stop": ["\n"]}, 400, "stop", "not supported"),
+        ("/chat/completions", {"messages": CHAT, "stop": ["\n", ""]}, 400, "stop",
+         "stop strings must not be empty"),
         ("/chat/completions", {"messages": CHAT, "temperature": 3}, 400, "temperature",
          "less than or equal to 2"),
         ("/completions", {"prompt": "Hi", "logprobs": 21}, 400, None,
@@ -370,8 +417,6 @@ async def test_completions_match_vllm_server(
          "echo with logprobs"),
         ("/completions", {"prompt": "Hi", "skip_special_tokens": False}, 400,
          "skip_special_tokens", "only true is supported"),
-        ("/completions", {"prompt": "Hi", "include_stop_str_in_output": True}, 400,
-         "include_stop_str_in_output", "stop strings are not supported"),
         ("/completions", {"prompt": "Hi", "made_up_field": 1}, 400, "made_up_field",
          "not supported by this frontend"),
         ("/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}},

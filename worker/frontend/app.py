@@ -632,6 +632,8 @@ def create_app(
                     min_tokens=body.min_tokens,
                     ignore_eos=body.ignore_eos,
                     stop_token_ids=body.stop_token_ids,
+                    stop=body.stop_strings,
+                    include_stop_str_in_output=body.include_stop_str_in_output or None,
                 ),
                 output_options=OutputOptions(
                     logprobs=None if scoring else k,
@@ -643,7 +645,14 @@ def create_app(
         source = await start_batch(request, generate_requests)
         n = body.n
         choices = [
-            CompletionChoice(p * n + j, tokenizer, k, score_only=scoring)
+            CompletionChoice(
+                p * n + j,
+                tokenizer,
+                k,
+                score_only=scoring,
+                stop=body.stop_strings,
+                include_stop=body.include_stop_str_in_output,
+            )
             for p in range(len(prompts))
             for j in range(n)
         ]
@@ -687,6 +696,7 @@ def create_app(
                 "text": delta,
                 "logprobs": logprobs if k is not None else None,
                 "finish_reason": choice.finish_reason if frame.finish_reason else None,
+                "stop_reason": choice.stop_reason if frame.finish_reason else None,
             }
 
         return reply.stream(source, "text_completion", chunk_of, include_usage=body.include_usage)
@@ -707,11 +717,22 @@ def create_app(
                 min_tokens=body.min_tokens,
                 ignore_eos=body.ignore_eos,
                 stop_token_ids=body.stop_token_ids,
+                stop=body.stop_strings,
+                include_stop_str_in_output=body.include_stop_str_in_output or None,
             ),
             output_options=OutputOptions(logprobs=k),
         )
         source = await start_batch(request, [generate_request])
-        choices = [ChatChoice(i, tokenizer, k) for i in range(body.n)]
+        choices = [
+            ChatChoice(
+                i,
+                tokenizer,
+                k,
+                stop=body.stop_strings,
+                include_stop=body.include_stop_str_in_output,
+            )
+            for i in range(body.n)
+        ]
         reply = Reply(generate_request.request_id, model, len(prompt_ids), choices, metrics)
 
         if not body.stream:
@@ -729,6 +750,7 @@ def create_app(
                 "delta": {"content": delta},
                 "logprobs": {"content": entries} if k is not None else None,
                 "finish_reason": choice.finish_reason if frame.finish_reason else None,
+                "stop_reason": choice.stop_reason if frame.finish_reason else None,
             }
 
         # OpenAI's first chunk per choice carries the role alone.

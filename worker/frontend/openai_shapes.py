@@ -16,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec import UNSET
+
 from messages.frames import ResponseFrame, TopLogprob
+from worker.client.stops import held_back, stop_cut
 from worker.frontend.tokenizer import ModelTokenizer
 
 LOGPROB_FLOOR = -9999.0
@@ -62,6 +65,50 @@ def chat_logprob_entry(
     }
 
 
+class ChoiceText:
+    """A choice's generated text as it may be sent: decoded token by token (TextDecoder) with
+    the request's stop strings applied by vLLM's rule (worker.client.stops). While the choice
+    runs, its last `max(len(stop)) - 1` characters wait (they may start a match); when it ended
+    on a stop string, the text ends at the match. Text once sent is never taken back: the match
+    completes in the last token, so it never starts before what was held back."""
+
+    def __init__(self, tokenizer: ModelTokenizer, stop: list[str] | None, include: bool) -> None:
+        self._decoder = tokenizer.text_decoder()
+        self._hold = held_back(stop, include)
+        self._include = include
+        self._sent = 0
+        self._last_start = 0
+
+    @property
+    def decoded(self) -> int:
+        """Characters decoded so far (where the next token's text starts)."""
+        return len(self._decoder.text)
+
+    def feed(self, token_id: int) -> None:
+        self._last_start = len(self._decoder.text)
+        self._decoder.feed(token_id)
+
+    def release(self, frame: ResponseFrame) -> str:
+        """The text this frame lets out, after its tokens were fed."""
+        if frame.finish_reason is None:
+            end = len(self._decoder.text) - self._hold
+        else:
+            self._decoder.finish()
+            text = self._decoder.text
+            end = len(text)
+            if isinstance(frame.stop_reason, str):
+                end = stop_cut(text, self._last_start, frame.stop_reason, self._include)
+        end = max(end, self._sent)
+        delta = self._decoder.text[self._sent : end]
+        self._sent = end
+        return delta
+
+
+def stop_reason(frame: ResponseFrame) -> str | int | None:
+    """vLLM's `stop_reason` of a choice: the matched stop string or stop token id, else None."""
+    return None if frame.stop_reason is UNSET else frame.stop_reason
+
+
 @dataclass
 class ChatChoice:
     """One chat choice being assembled, frame by frame."""
@@ -69,25 +116,29 @@ class ChatChoice:
     index: int
     tokenizer: ModelTokenizer
     top_logprobs: int | None  # None: logprobs were not asked
+    stop: list[str] | None = None
+    include_stop: bool = False
     text: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     completion_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self._decoder = self.tokenizer.text_decoder()
+        self._text = ChoiceText(self.tokenizer, self.stop, self.include_stop)
 
     def add(self, frame: ResponseFrame) -> tuple[str, list[dict[str, Any]]]:
         """The frame's new text and logprob entries (also kept for the whole answer)."""
-        delta, entries = "", []
+        entries = []
         for token_id, logprob, row in _steps(frame):
-            delta += self._decoder.feed(token_id)
+            self._text.feed(token_id)
             if self.top_logprobs is not None and row is not None:
                 entries.append(chat_logprob_entry(token_id, logprob, row, self.top_logprobs))
         self.completion_tokens += len(frame.token_ids)
+        delta = self._text.release(frame)
         if frame.finish_reason is not None:
-            delta += self._decoder.finish()
             self.finish_reason = openai_finish_reason(frame.finish_reason)
+            self.stop_reason = stop_reason(frame)
         self.text += delta
         self.logprobs += entries
         return delta, entries
@@ -98,6 +149,7 @@ class ChatChoice:
             "message": {"role": "assistant", "content": self.text},
             "logprobs": {"content": self.logprobs} if self.top_logprobs is not None else None,
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
         }
 
 
@@ -160,15 +212,18 @@ class CompletionChoice:
     tokenizer: ModelTokenizer
     logprobs_k: int | None  # None: logprobs were not asked
     score_only: bool = False
+    stop: list[str] | None = None
+    include_stop: bool = False
     echo: PromptEcho | None = None
     text: str = ""
     logprobs: dict[str, list[Any]] = field(default_factory=empty_completion_logprobs)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     completion_tokens: int = 0
     _echoed: bool = False
 
     def __post_init__(self) -> None:
-        self._decoder = self.tokenizer.text_decoder()
+        self._text = ChoiceText(self.tokenizer, self.stop, self.include_stop)
 
     def add(self, frame: ResponseFrame) -> tuple[str, dict[str, list[Any]]]:
         """The frame's new text and logprobs (the echoed prompt in front, on the first frame)."""
@@ -181,8 +236,8 @@ class CompletionChoice:
                     logprobs = {key: list(value) for key, value in self.echo.logprobs.items()}
         base = len(self.echo.text) if self.echo is not None else 0
         for token_id, logprob, row in [] if self.score_only else _steps(frame):
-            offset = base + len(self._decoder.text)
-            delta += self._decoder.feed(token_id)
+            offset = base + self._text.decoded
+            self._text.feed(token_id)
             if self.logprobs_k is not None and row is not None:
                 logprobs["tokens"].append(_chosen(row, token_id).token)
                 logprobs["token_logprobs"].append(floor_logprob(logprob))
@@ -190,9 +245,10 @@ class CompletionChoice:
                 logprobs["text_offset"].append(offset)
         if not self.score_only:
             self.completion_tokens += len(frame.token_ids)
+            delta += self._text.release(frame)
         if frame.finish_reason is not None:
-            delta += self._decoder.finish()
             self.finish_reason = openai_finish_reason(frame.finish_reason)
+            self.stop_reason = stop_reason(frame)
         self.text += delta
         for key, values in logprobs.items():
             self.logprobs[key] += values
@@ -204,6 +260,7 @@ class CompletionChoice:
             "text": self.text,
             "logprobs": self.logprobs if self.logprobs_k is not None else None,
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
         }
 
 

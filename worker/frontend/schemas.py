@@ -2,14 +2,16 @@
 names the field, see app.py).
 
 Every field is honoured or refused with a 400 that names it, never silently ignored, as the
-worker does on the wire: stop strings, `best_of`, `suffix`, tools, response formats,
+worker does on the wire: `best_of`, `suffix`, tools, response formats,
 `prompt_logprobs`, `skip_special_tokens: false`, guided decoding and any field not declared here
 are refused (`extra="forbid"`). Besides OpenAI's fields, vLLM's sampling extras `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and (chat)
 `chat_template_kwargs` are honoured, so requests written for vLLM's server work here too.
-`logit_bias` is honoured (token id strings → bias, clamped to ±100 as vLLM's server does);
-`model` may be left out (the first served name); completions take a batch of prompts and
-`echo` with `max_tokens` 0 (prompt scoring).
+Stop strings (`stop`, `include_stop_str_in_output`) go to the worker, which has vLLM match
+them; the text is cut here (openai_shapes.ChoiceText). `logit_bias` is honoured (token id
+strings → bias, clamped to ±100 as vLLM's server does); `model` may be left out (the first
+served name); completions take a batch of prompts and `echo` with `max_tokens` 0 (prompt
+scoring).
 OpenAI's bookkeeping fields that do not change an answer (`user`, `metadata`, `store`,
 `service_tier`) are accepted.
 """
@@ -73,14 +75,17 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
 
+    @property
+    def stop_strings(self) -> list[str] | None:
+        """`stop` as a list (OpenAI takes one string or several); None when there is none."""
+        if self.stop is None or self.stop == []:
+            return None
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
-        if self.stop:
-            raise InvalidField("stop", "stop strings are not supported by this frontend")
-        if self.include_stop_str_in_output:
-            raise InvalidField(
-                "include_stop_str_in_output", "stop strings are not supported by this frontend"
-            )
+        if any(not stop for stop in self.stop_strings or ()):
+            raise InvalidField("stop", "stop strings must not be empty")
         if not self.skip_special_tokens:
             raise InvalidField(
                 "skip_special_tokens", "only true is supported (special tokens leave the text)"
