@@ -186,6 +186,18 @@ async def sigterm_mid_stream(
     return seen
 
 
+async def ready_metrics_port(proc, lines: list[str]) -> int:
+    """Waits for a CLI worker's ready line (started with `--metrics-port 0 --metrics-host
+    127.0.0.1`) and returns the metrics port it names."""
+    ready = await read_until(
+        proc.stdout,
+        r"vllm-nats-worker ready: .*metrics http://127\.0\.0\.1:(\d+)/metrics",
+        lines,
+        300,
+    )
+    return int(ready.group(1))
+
+
 async def collect(stream, lines: list[str]) -> None:
     while line := await stream.readline():
         lines.append(line.decode(errors="replace"))

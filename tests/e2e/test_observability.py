@@ -21,6 +21,7 @@ from tests.helpers import (
     last_worker_line,
     make_request,
     read_until,
+    ready_metrics_port,
     sigterm_mid_stream,
     start_cli_worker,
     subprocess_env,
@@ -86,13 +87,7 @@ async def test_cli_worker_stats_line_health_log_format_and_stopped_line(
     lines: list[str] = []
     rest = None
     try:
-        ready = await read_until(
-            proc.stdout,
-            r"vllm-nats-worker ready: .*metrics http://127\.0\.0\.1:(\d+)/metrics",
-            lines,
-            300,
-        )
-        port = int(ready.group(1))
+        port = await ready_metrics_port(proc, lines)
         rest = asyncio.create_task(collect(proc.stdout, lines))
         subject = "obs.vllm.generate"
 

@@ -22,6 +22,7 @@ from tests.helpers import (
     exchange,
     make_request,
     read_until,
+    ready_metrics_port,
     scrape,
     sigterm_mid_stream,
     start_cli_worker,
@@ -229,13 +230,7 @@ async def test_cli_worker_serves_with_engine_args_and_drains_on_sigterm(
     )
     lines: list[str] = []
     try:
-        ready = await read_until(
-            proc.stdout,
-            r"vllm-nats-worker ready: .*metrics http://127\.0\.0\.1:(\d+)/metrics",
-            lines,
-            300,
-        )
-        metrics_port = int(ready.group(1))
+        metrics_port = await ready_metrics_port(proc, lines)
         rest = asyncio.create_task(collect(proc.stdout, lines))
         subject = "cli.vllm.generate"
 

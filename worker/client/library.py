@@ -107,24 +107,31 @@ async def discover_workers(
 ) -> list[WorkerInstance]:
     """Workers that serve `generate_subject`, from every answer to `$SRV.STATS.<name>` that
     arrives within `window` seconds (micro services answer a discovery request each)."""
+    found: list[WorkerInstance] = []
+    async for data in _answers(nc, f"$SRV.STATS.{name}", window):
+        instance = _instance_from_stats(data, generate_subject)
+        if instance is not None:
+            found.append(instance)
+    return found
+
+
+async def _answers(nc: NATS, subject: str, window: float) -> AsyncGenerator[bytes, None]:
+    """Every answer to one discovery request on `subject` (each micro service answers it once)
+    that arrives within `window` seconds, as it arrives."""
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
-    found: list[WorkerInstance] = []
     try:
-        await nc.publish(f"$SRV.STATS.{name}", b"", reply=inbox)
+        await nc.publish(subject, b"", reply=inbox)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + window
         while (left := deadline - loop.time()) > 0:
             try:
                 msg = await subscription.next_msg(timeout=left)
             except Exception:  # nats TimeoutError: the window is over
-                break
-            instance = _instance_from_stats(msg.data, generate_subject)
-            if instance is not None:
-                found.append(instance)
+                return
+            yield msg.data
     finally:
         await subscription.unsubscribe()
-    return found
 
 
 async def find_worker(
@@ -139,19 +146,10 @@ async def find_worker(
     that answers `$SRV.INFO.<name>` within `window` seconds and serves `generate_subject` (with
     `jetstream`: that subject's work queue); None when none does."""
     queue = subjects_of(generate_subject).queue if jetstream else None
-    inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox)
-    try:
-        await nc.publish(f"$SRV.INFO.{name}", b"", reply=inbox)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + window
-        while (left := deadline - loop.time()) > 0:
+    async with aclosing(_answers(nc, f"$SRV.INFO.{name}", window)) as answers:
+        async for data in answers:
             try:
-                msg = await subscription.next_msg(timeout=left)
-            except Exception:  # nats TimeoutError: the window is over
-                break
-            try:
-                info = json.loads(msg.data)
+                info = json.loads(data)
                 metadata = dict(info.get("metadata") or {})
                 subjects = {e.get("subject") for e in info.get("endpoints") or []}
             except (ValueError, TypeError, AttributeError):
@@ -160,8 +158,6 @@ async def find_worker(
                 queue is not None and metadata.get("queue_subject") == queue
             ):
                 return metadata
-    finally:
-        await subscription.unsubscribe()
     return None
 
 

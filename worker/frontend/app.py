@@ -137,6 +137,17 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param)
 
 
+def _stop_conditions(body: SamplingFields, max_tokens: int | None) -> StopConditions:
+    return StopConditions(
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=body.stop_token_ids,
+        stop=body.stop_strings,
+        include_stop_str_in_output=body.include_stop_str_in_output or None,
+    )
+
+
 def _sampling(body: SamplingFields) -> SamplingOptions:
     return SamplingOptions(
         n=body.n,
@@ -627,14 +638,7 @@ def create_app(
                 request_id=f"{request_id}-{i}" if body.batched else request_id,
                 token_ids=prompt_ids,
                 sampling_options=_sampling(body),
-                stop_conditions=StopConditions(
-                    max_tokens=1 if scoring else body.max_tokens,
-                    min_tokens=body.min_tokens,
-                    ignore_eos=body.ignore_eos,
-                    stop_token_ids=body.stop_token_ids,
-                    stop=body.stop_strings,
-                    include_stop_str_in_output=body.include_stop_str_in_output or None,
-                ),
+                stop_conditions=_stop_conditions(body, 1 if scoring else body.max_tokens),
                 output_options=OutputOptions(
                     logprobs=None if scoring else k,
                     prompt_logprobs=k if body.echo and k is not None else None,
@@ -712,14 +716,7 @@ def create_app(
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
             token_ids=prompt_ids,
             sampling_options=_sampling(body),
-            stop_conditions=StopConditions(
-                max_tokens=body.token_limit,
-                min_tokens=body.min_tokens,
-                ignore_eos=body.ignore_eos,
-                stop_token_ids=body.stop_token_ids,
-                stop=body.stop_strings,
-                include_stop_str_in_output=body.include_stop_str_in_output or None,
-            ),
+            stop_conditions=_stop_conditions(body, body.token_limit),
             output_options=OutputOptions(logprobs=k),
         )
         source = await start_batch(request, [generate_request])
