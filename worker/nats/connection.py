@@ -7,6 +7,7 @@ import ssl
 from typing import Any
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
@@ -68,7 +69,10 @@ async def connect(config: NatsConfig, *, attempts: int | None = None) -> NATS:
     try:
         nc = await nats.connect(**options)
     except Exception as error:
-        cause = errors[-1] if errors else error
+        # What the server said (e.g. -ERR 'Authorization Violation') names the cause; the
+        # connection reset that may follow it, or beat it to the socket, does not.
+        said = [e for e in errors if isinstance(e, nats.errors.Error)]
+        cause = said[-1] if said else errors[-1] if errors else error
         servers = ", ".join(config.servers)
         raise ConnectFailed(f"cannot connect to NATS at {servers}: {cause}") from error
     where = nc.connected_url.netloc if nc.connected_url else "?"
