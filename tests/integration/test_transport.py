@@ -78,3 +78,47 @@ async def test_a_request_nobody_serves_ends_at_once_as_no_workers(nats_server) -
     assert output == [
         "error no_workers: no worker listens on nobody.vllm.generate (NATS: no responders)"
     ], output
+
+
+async def test_an_inbox_reads_in_order_waits_and_times_out(nats_server) -> None:
+    """worker.client.Inbox (the frame reader's subscription): messages in publish order whether
+    they were queued before the read or arrive during it, and nats' TimeoutError when none
+    comes in time, after which it still reads."""
+    import asyncio
+    import time
+
+    import nats.errors
+    import pytest
+
+    from worker.client import Inbox
+
+    sub_nc, pub_nc = await nats.connect(nats_server.url), await nats.connect(nats_server.url)
+    try:
+        inbox = await Inbox.open(sub_nc, "inbox.test")
+        await sub_nc.flush()
+        for i in range(50):
+            await pub_nc.publish("inbox.test", str(i).encode())
+        await pub_nc.flush()
+        assert [(await inbox.next_msg(timeout=5)).data for _ in range(50)] == [
+            str(i).encode() for i in range(50)
+        ]
+
+        async def later() -> None:
+            await asyncio.sleep(0.2)
+            await pub_nc.publish("inbox.test", b"late", headers={"Vllm-Test": "1"})
+
+        task = asyncio.create_task(later())
+        msg = await inbox.next_msg(timeout=5)
+        await task
+        assert (msg.data, msg.headers) == (b"late", {"Vllm-Test": "1"})
+
+        started = time.monotonic()
+        with pytest.raises(nats.errors.TimeoutError):
+            await inbox.next_msg(timeout=0.3)
+        assert 0.25 < time.monotonic() - started < 2
+        await pub_nc.publish("inbox.test", b"after")
+        assert (await inbox.next_msg(timeout=5)).data == b"after"
+        await inbox.unsubscribe()
+    finally:
+        await sub_nc.close()
+        await pub_nc.close()

@@ -4,7 +4,8 @@
 - `library.py`: `generate` / `complete` (core, with retry of refusals on other workers),
   `jetstream_generate` / `jetstream_complete` / `jetstream_stream` (one attempt, for a user's
   stream), discovery of workers;
-- `reader.py`: the one frame reader (seq order, the stop rule, probes skipped) and `fold`;
+- `reader.py`: the one frame reader (seq order, the stop rule, probes skipped; `Inbox`, a reply
+  subscription read without a task per message) and `fold`;
 - `__main__.py`: `python -m worker.client`.
 """
 
@@ -27,6 +28,7 @@ from worker.client.reader import (
     Choice,
     Completion,
     FrameOrderError,
+    Inbox,
     RequestEnd,
     RequestError,
     fold,
@@ -39,6 +41,7 @@ __all__ = [
     "Choice",
     "Completion",
     "FrameOrderError",
+    "Inbox",
     "RequestEnd",
     "RequestError",
     "WorkerInstance",

@@ -34,6 +34,7 @@ from messages.request import CancelRequest, GenerateRequest
 from messages.subjects import CANCEL_TOKEN, REPLY_HEADER, SERVICE_NAME, Subjects
 from worker.client.reader import (
     Completion,
+    Inbox,
     RequestEnd,
     RequestError,
     fold,
@@ -73,7 +74,7 @@ async def stream_frames(
     With `request_id` and `cancel_subject`, leaving early publishes a cancel for the request.
     """
     inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox)
+    subscription = await Inbox.open(nc, inbox)
     headers = {"Content-Type": codec.content_type} if codec is JSON else None
     end = RequestEnd(choices)
     try:
@@ -296,7 +297,7 @@ async def jetstream_generate(
     frames of an older attempt are skipped here)."""
     subjects = subjects or Subjects()
     inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox)
+    subscription = await Inbox.open(nc, inbox)
     headers = {REPLY_HEADER: inbox}
     if codec is JSON:
         headers["Content-Type"] = codec.content_type

@@ -7,10 +7,15 @@ liveness-probe header are the worker's probes and are skipped.
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import nats.errors
 from msgspec import UNSET
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -59,6 +64,61 @@ class RequestEnd:
         self.ended = False
 
 
+class MessageSource(Protocol):
+    """What frames are read from: an Inbox, or a plain nats-py Subscription."""
+
+    async def next_msg(self, timeout: float) -> Msg: ...
+
+
+class Inbox:
+    """A reply subscription whose messages are read without a task per message.
+
+    nats-py's `Subscription.next_msg` makes a uuid, a task and (before Python 3.12) a second
+    task inside `wait_for` for every message; a reader of a token-per-frame stream pays that per
+    token (about a third of a frontend process at 32 streams, py-spy). Here nats-py hands each
+    message to a callback (public API) that queues it and wakes the one waiting reader; the
+    timeout is a timer handle, not a task.
+    """
+
+    def __init__(self) -> None:
+        self._messages: deque[Msg] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.subscription: Subscription | None = None
+
+    @classmethod
+    async def open(cls, nc: NATS, subject: str) -> Inbox:
+        inbox = cls()
+        inbox.subscription = await nc.subscribe(subject, cb=inbox._deliver)
+        return inbox
+
+    async def _deliver(self, msg: Msg) -> None:
+        self._messages.append(msg)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next_msg(self, timeout: float) -> Msg:
+        """The next message; nats' TimeoutError when none came within `timeout` seconds."""
+        if not self._messages:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        return self._messages.popleft()
+
+    async def unsubscribe(self) -> None:
+        if self.subscription is not None:
+            await self.subscription.unsubscribe()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(nats.errors.TimeoutError())
+
+
 def no_responders(msg: Msg) -> str | None:
     """The subject nobody subscribes to, when `msg` is NATS's "no responders" status (503, empty
     body) for a request published with this reply subject; else None."""
@@ -68,7 +128,9 @@ def no_responders(msg: Msg) -> str | None:
     return headers.get("Nats-Subject", "the request's subject")
 
 
-async def frame_payloads(subscription: Subscription, timeout: float) -> AsyncGenerator[bytes, None]:
+async def frame_payloads(
+    subscription: MessageSource, timeout: float
+) -> AsyncGenerator[bytes, None]:
     """The encoded frames arriving on a reply subscription, probes skipped; `timeout` per frame
     (nats' TimeoutError past it). NATS's "no responders" ends it at once as `no_workers`."""
     while True:
@@ -85,7 +147,7 @@ async def frame_payloads(subscription: Subscription, timeout: float) -> AsyncGen
 
 
 async def read_frames(
-    subscription: Subscription,
+    subscription: MessageSource,
     codec: Codec,
     end: RequestEnd,
     timeout: float,
