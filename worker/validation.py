@@ -14,11 +14,15 @@ from messages.request import GenerateRequest
 from worker.engine.contract import EngineLimits, InvalidRequest
 
 
-def _check_vocab(field: str, token_ids: Iterable[int], vocab_size: int) -> None:
+def _check_vocab(
+    field: str, token_ids: Iterable[int], vocab_size: int, *, indexed: bool = True
+) -> None:
+    """Every id below `vocab_size`; the error names the field and, for a list (`indexed`), the
+    position (a map's keys have none)."""
     for position, token_id in enumerate(token_ids):
         if token_id >= vocab_size:
             raise InvalidRequest(
-                f"{field}[{position}]",
+                f"{field}[{position}]" if indexed else field,
                 f"token id {token_id} is outside the vocabulary (must be < {vocab_size})",
             )
 
@@ -66,12 +70,12 @@ def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
         "stop_conditions.stop_token_ids_hidden", stop.stop_token_ids_hidden or (), limits.vocab_size
     )
 
-    for token_id in sorted(sampling.logit_bias or ()):
-        if token_id >= limits.vocab_size:
-            raise InvalidRequest(
-                "sampling_options.logit_bias",
-                f"token id {token_id} is outside the vocabulary (must be < {limits.vocab_size})",
-            )
+    _check_vocab(
+        "sampling_options.logit_bias",
+        sorted(sampling.logit_bias or ()),
+        limits.vocab_size,
+        indexed=False,
+    )
 
     prompt_len = len(request.token_ids)
     if prompt_len >= limits.max_model_len:

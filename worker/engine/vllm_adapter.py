@@ -105,6 +105,8 @@ class VllmEngine:
         self._llm = llm
         self.table = table
         self.limits = limits
+        # vLLM 0.32+ renders prompts itself (VllmEngine._prompt); 0.24 has no renderer.
+        self._renderer = getattr(llm, "renderer", None) if _parse_model_prompt else None
 
     @classmethod
     async def start(
@@ -151,12 +153,10 @@ class VllmEngine:
         prompts … is deprecated") when given a TokensPrompt, which it then renders itself the
         same way; older vLLM (0.24) has no Renderer on AsyncLLM and takes the TokensPrompt."""
         prompt = TokensPrompt(prompt_token_ids=token_ids)
-        if (
-            _parse_model_prompt is None
-            or (renderer := getattr(self._llm, "renderer", None)) is None
-        ):
+        if self._renderer is None or _parse_model_prompt is None:
             return prompt
         parsed = _parse_model_prompt(self._llm.model_config, prompt)
+        renderer = self._renderer
         (engine_input,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
         return engine_input
 

@@ -438,22 +438,25 @@ def create_app(
             )
         return name
 
+    def connected() -> NATS | None:
+        nc = state.get("nc")
+        return nc if nc is not None and nc.is_connected else None
+
     def connection() -> NATS:
-        if "nc" not in state or not state["nc"].is_connected:
+        if (nc := connected()) is None:
             raise OpenAIError(503, "not connected to NATS", "service_unavailable")
-        return state["nc"]
+        return nc
+
+    async def a_worker(nc: NATS, window: float) -> dict[str, str] | None:
+        """The discovery metadata of a worker of the subject that answers within `window`."""
+        return await find_worker(nc, settings.subject, window=window, jetstream=settings.jetstream)
 
     async def max_model_len() -> int | None:
         """The context length a worker of the subject reports in discovery; None if none
         answers in time (nothing here knows it otherwise: the engine is the workers')."""
-        if "nc" not in state or not state["nc"].is_connected:
+        if (nc := connected()) is None:
             return None
-        found = await find_worker(
-            state["nc"],
-            settings.subject,
-            window=settings.discovery_window_s,
-            jetstream=settings.jetstream,
-        )
+        found = await a_worker(nc, settings.discovery_window_s)
         try:
             return int(found["max_model_len"]) if found else None
         except (KeyError, ValueError):
@@ -510,15 +513,9 @@ def create_app(
     @app.get("/health", response_model=None)
     async def health() -> JSONResponse:
         """200 when a worker of the subject answers discovery in time, else 503 and why."""
-        if "nc" not in state or not state["nc"].is_connected:
+        if (nc := connected()) is None:
             return JSONResponse({"status": "unavailable", "reason": "not connected to NATS"}, 503)
-        found = await find_worker(
-            state["nc"],
-            settings.subject,
-            window=settings.health_timeout_s,
-            jetstream=settings.jetstream,
-        )
-        if found is None:
+        if await a_worker(nc, settings.health_timeout_s) is None:
             reason = (
                 f"no worker of {settings.subject} answered within {settings.health_timeout_s} s"
             )
