@@ -10,11 +10,12 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from messages.codec import MSGPACK
@@ -273,6 +275,38 @@ async def start_cli_worker(
 
 
 # --- the metrics port and the CLI's console -------------------------------------------------
+
+
+async def kill_if_running(proc: asyncio.subprocess.Process) -> None:
+    """A test's `finally` for a CLI worker it started: gone, whatever happened."""
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
+def run_client_cli(
+    nats_url: str, *flags: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`python -m worker.client --nats-url URL FLAGS…` to its end, output captured as text
+    (blocking: from a test, through asyncio.to_thread)."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.client", "--nats-url", nats_url, *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(),
+        timeout=timeout,
+    )
+
+
+@contextlib.contextmanager
+def metrics_server(registry: CollectorRegistry) -> Iterator[int]:
+    """A worker registry's Prometheus text on a free loopback port, for the `with` block."""
+    server, _ = start_http_server(0, "127.0.0.1", registry=registry)
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
 
 
 def scrape(port: int) -> dict[str, float]:

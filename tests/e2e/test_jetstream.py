@@ -19,6 +19,7 @@ from tests.helpers import (
     make_request,
     raw_frames,
     read_until,
+    run_client_cli,
     start_cli_worker,
 )
 from worker.client import jetstream_complete, jetstream_generate
@@ -319,12 +320,9 @@ async def test_jetstream_mode_seen_from_outside(
     to the queue (--jetstream)."""
     import json
     import logging
-    import subprocess
-    import sys
 
     import httpx
 
-    from tests.helpers import ROOT, subprocess_env
     from worker.frontend.app import FrontendSettings, create_app
     from worker.frontend.tokenizer import ModelTokenizer
 
@@ -354,11 +352,8 @@ async def test_jetstream_mode_seen_from_outside(
     assert info["endpoints"] == []  # nothing is served on the core subjects
 
     done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "worker.client", "--nats-url", nats_server.url,
-         "--subject", subjects.generate, "--jetstream", "--token-ids", "1,300",
-         "--max-tokens", "3", "--json"],
-        capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=120,
+        run_client_cli, nats_server.url, "--subject", subjects.generate, "--jetstream",
+        "--token-ids", "1,300", "--max-tokens", "3", "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     frames = [json.loads(line) for line in done.stdout.splitlines()]

@@ -11,15 +11,15 @@ import time
 import urllib.error
 import urllib.request
 
-from prometheus_client import start_http_server
-
 from tests.helpers import (
     ROOT,
     TEST_SUBJECTS,
     collect,
     get_health,
+    kill_if_running,
     last_worker_line,
     make_request,
+    metrics_server,
     read_until,
     ready_metrics_port,
     sigterm_mid_stream,
@@ -52,19 +52,14 @@ async def _frames(nc, subject, request):
 async def test_requests_total_counts_each_choice_with_the_model_name(
     worker, client, worker_metrics, engine
 ) -> None:
-    server, _ = start_http_server(0, "127.0.0.1", registry=worker_metrics.registry)
-    try:
-        registry = worker_metrics.registry
+    registry = worker_metrics.registry
+    with metrics_server(registry) as port:
         labels = {"model_name": engine.limits.model, "outcome": "length"}
         before = registry.get_sample_value("nats_worker_requests_total", labels) or 0.0
         request = make_request("obs-n2", PROMPT, max_tokens=4, n=2, temperature=1.0, seed=1)
         result = await complete(client, request, subject=TEST_SUBJECTS.generate)
         assert [c.finish_reason for c in result.choices] == ["length", "length"]
-        text = urllib.request.urlopen(
-            f"http://127.0.0.1:{server.server_port}/metrics", timeout=5
-        ).read()
-    finally:
-        server.shutdown()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
     assert registry.get_sample_value("nats_worker_requests_total", labels) == before + 2
     assert b'outcome="length,length"' not in text
     assert f'model_name="{engine.limits.model}"'.encode() in text
@@ -132,9 +127,7 @@ async def test_cli_worker_stats_line_health_log_format_and_stopped_line(
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         await rest
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await kill_if_running(proc)
     output = "".join(lines)
     assert "Passing raw prompts" not in output
     assert last_worker_line(lines) == "vllm-nats-worker stopped (exit 0)"
@@ -167,9 +160,7 @@ async def test_disable_log_stats_turns_the_stats_line_off(nats_server, tiny_mode
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         await rest
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await kill_if_running(proc)
     output = "".join(lines)
     assert "request quiet-1 length tokens=64" in output
     assert not re.search(STATS_LINE, output), output

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from prometheus_client import start_http_server
 
 from messages.codec import MSGPACK
 from messages.subjects import SERVICE_NAME
@@ -20,9 +19,12 @@ from tests.helpers import (
     TEST_SUBJECTS,
     collect,
     exchange,
+    kill_if_running,
     make_request,
+    metrics_server,
     read_until,
     ready_metrics_port,
+    run_client_cli,
     scrape,
     sigterm_mid_stream,
     start_cli_worker,
@@ -185,9 +187,7 @@ async def test_micro_ping_info_stats_and_counts_move(worker, client, engine) -> 
 async def test_metrics_endpoint_shows_counters_and_histograms(
     worker, client, worker_metrics, engine
 ) -> None:
-    server, thread = start_http_server(0, "127.0.0.1", registry=worker_metrics.registry)
-    try:
-        port = server.server_port
+    with metrics_server(worker_metrics.registry) as port:
         for i in range(3):
             await complete(
                 client,
@@ -196,8 +196,6 @@ async def test_metrics_endpoint_shows_counters_and_histograms(
             )
         await exchange(client, TEST_SUBJECTS.generate, b"\xc1garbage")
         samples = await asyncio.to_thread(scrape, port)
-    finally:
-        server.shutdown()
     model = f"model_name={engine.limits.model}"
     assert samples[f"nats_worker_requests_total{{{model},outcome=length}}"] >= 3
     assert samples[f"nats_worker_requests_total{{{model},outcome=invalid_request}}"] >= 1
@@ -272,9 +270,7 @@ async def test_cli_worker_serves_with_engine_args_and_drains_on_sigterm(
         assert "request cli-1 length tokens=5" in output  # one log line per request outcome
         assert "request cli-2 invalid_request" in output
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await kill_if_running(proc)
 
 
 async def _frames(nc, subject, request):
@@ -350,9 +346,7 @@ async def test_engine_death_answers_in_flight_and_exits_non_zero(
         await rest
         assert "engine is dead: answering in-flight requests and exiting" in "".join(lines)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await kill_if_running(proc)
 
 
 async def test_the_production_cli_requires_a_model_and_a_nats_url(capsys) -> None:
@@ -422,14 +416,9 @@ async def test_client_cli_options_and_one_line_errors(worker, tiny_model) -> Non
     import subprocess
 
     nats_url = worker.config.nats.servers[0]
-    base = [sys.executable, "-m", "worker.client", "--nats-url", nats_url]
-    base += ["--subject", TEST_SUBJECTS.generate]
 
     def run(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*base, *flags], capture_output=True, text=True, cwd=ROOT, timeout=120,
-            env=subprocess_env(),
-        )  # fmt: skip
+        return run_client_cli(nats_url, "--subject", TEST_SUBJECTS.generate, *flags)
 
     raw = await asyncio.to_thread(
         run, "--token-ids", "1,300,301", "--max-tokens", "4", "--n", "2", "--seed", "7",
@@ -462,11 +451,7 @@ async def test_client_cli_options_and_one_line_errors(worker, tiny_model) -> Non
         "max_logprobs), got 21"
     ]
 
-    wrong_port = subprocess.run(
-        [sys.executable, "-m", "worker.client", "--nats-url", "nats://127.0.0.1:1",
-         "--token-ids", "1,2"],
-        capture_output=True, text=True, cwd=ROOT, timeout=60, env=subprocess_env(),
-    )  # fmt: skip
+    wrong_port = run_client_cli("nats://127.0.0.1:1", "--token-ids", "1,2", timeout=60)
     assert wrong_port.returncode == 1 and wrong_port.stdout == ""
     lines = wrong_port.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(

@@ -10,13 +10,12 @@ cut by `worker.client.stops` must equal vLLM's own output text.
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import msgspec
 import pytest
 
 from messages.codec import MSGPACK
-from tests.helpers import TEST_SUBJECTS, exchange, make_request, subprocess_env
+from tests.helpers import TEST_SUBJECTS, exchange, make_request, run_client_cli
 from worker.client import complete
 from worker.client.stops import stop_cut
 from worker.frontend.tokenizer import ModelTokenizer
@@ -156,29 +155,12 @@ async def test_the_client_cli_prints_the_stop_reason_and_the_cut_text(
     worker, nats_server, tiny_model, engine, stop_string: str
 ) -> None:
     reference = await _vllm(engine, "stop-cli-ref", stop=[stop_string])
-    ids = ",".join(map(str, PROMPT))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "worker.client",
-        "--nats-url",
-        nats_server.url,
-        "--subject",
-        SUBJECT,
-        "--token-ids",
-        ids,
-        "--max-tokens",
-        str(MAX_TOKENS),
-        "--stop",
-        stop_string,
-        "--tokenizer",
-        str(tiny_model),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=subprocess_env(),
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 120)
-    assert process.returncode == 0, err.decode()
-    lines = out.decode().splitlines()
+    done = await asyncio.to_thread(
+        run_client_cli, nats_server.url, "--subject", SUBJECT,
+        "--token-ids", ",".join(map(str, PROMPT)), "--max-tokens", str(MAX_TOKENS),
+        "--stop", stop_string, "--tokenizer", str(tiny_model),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
     assert f"0: finish_reason=stop stop_reason={stop_string!r} " in "\n".join(lines) + " "
     assert f"0: text={reference.text!r}" in lines

@@ -37,14 +37,12 @@ async def test_a_request_nobody_serves_ends_at_once_as_no_workers(nats_server) -
     503, empty body): the client library raises no_workers naming the subject, at once, instead
     of waiting out its frame timeout."""
     import asyncio
-    import subprocess
-    import sys
     import time
 
     import pytest
 
     from messages.errors import is_refusal, is_retryable, kind
-    from tests.helpers import ROOT, make_request, subprocess_env
+    from tests.helpers import make_request, run_client_cli
     from worker.client import RequestError, complete
 
     nc = await nats.connect(nats_server.url)
@@ -65,13 +63,9 @@ async def test_a_request_nobody_serves_ends_at_once_as_no_workers(nats_server) -
         await nc.close()
 
     # The client CLI: one line, exit 1, no traceback.
-    command = [
-        sys.executable, "-m", "worker.client", "--nats-url", nats_server.url,
-        "--subject", "nobody.vllm.generate", "--token-ids", "1,2,3",
-    ]  # fmt: skip
     done = await asyncio.to_thread(
-        subprocess.run, command, capture_output=True, text=True, cwd=ROOT,
-        env=subprocess_env(), timeout=60,
+        run_client_cli, nats_server.url, "--subject", "nobody.vllm.generate",
+        "--token-ids", "1,2,3", timeout=60,
     )  # fmt: skip
     assert done.returncode == 1, done
     output = (done.stdout + done.stderr).strip().splitlines()
