@@ -134,7 +134,7 @@ async def test_abandoned_streams_are_detected_and_aborted(
     subjects = Subjects("liveness", "vllm", "generate")
     # Detection must beat the streams' end: on a fast host 8 requests of 2 x 450 tokens ended in
     # 0.86 s, before a 0.25 s probe cycle with a 0.5 s grace had declared them gone. So a tighter
-    # cycle and 4 x 500 tokens per request (the tiny model's context allows 509).
+    # cycle and 4 x 500 tokens per request with logprobs 5 (the tiny model's context allows 509).
     worker = await extra_worker(
         subjects, liveness_interval_s=0.1, liveness_timeout_s=0.1, client_gone_grace_s=0.2
     )
@@ -152,7 +152,13 @@ async def test_abandoned_streams_are_detected_and_aborted(
         inbox = client.new_inbox()
         subscription = await client.subscribe(inbox)
         request = make_request(
-            f"abandoned-{i}", [1, 40 + i, 300], max_tokens=500, n=4, temperature=1.0, seed=i
+            f"abandoned-{i}",
+            [1, 40 + i, 300],
+            max_tokens=500,
+            n=4,
+            logprobs=5,
+            temperature=1.0,
+            seed=i,
         )
         await client.publish(subjects.generate, MSGPACK.encode(request), reply=inbox)
         subscriptions.append(subscription)
