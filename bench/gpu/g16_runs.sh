@@ -7,8 +7,9 @@
 #   SIDE=worker N=2 bash bench/gpu/g16_runs.sh       the worker, --worker-processes 2
 #   SIDE=stack N=4 P=4 bash bench/gpu/g16_runs.sh   the OpenAI stack: the worker (N processes)
 #       behind `python -m worker.frontend --processes P`, loaded over HTTP as vllm serve is
-#   ... PROFILE=1: also py-spy on worker process 0 during one logprobs-20 run (needs py-spy's
-#   wheel in .gpu/, carried with the call)
+#   ... PROFILE=1: also py-spy on worker process 0 during one logprobs-20 run (SIDE=worker), or on
+#   one frontend process during runs without logprobs (SIDE=stack); needs py-spy's wheel in
+#   .gpu/, carried with the call
 #   ROUND=r1: appended to the side's label (p8_serve4-r1.json, …), for alternating rounds that
 #   `python -m bench.p8_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
@@ -109,6 +110,19 @@ case "$SIDE" in
       fi
       sleep 1
     done
+    if [ "${PROFILE:-0}" = 1 ]; then
+      [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
+      # One frontend process (of P) under py-spy during runs without logprobs, where the stack
+      # misses; the load reaches it through SO_REUSEPORT like the others.
+      target=$(pgrep -P $frontend | head -1)
+      timeout 120 /tmp/pyspy/bin/py-spy record --pid "$target" --rate 200 --duration 20 \
+        --format raw --output "$OUT/profile-$label-frontend.txt" > "$OUT/pyspy-$label.log" 2>&1 &
+      spy=$!
+      sleep 1
+      python3 -m bench.p8_processes --label "$label-profiled" --repeats 3 --logprobs off \
+        --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" > "$OUT/p8-$label-profiled.txt" 2>&1
+      wait $spy; echo "py-spy exit $?"
+    fi
     timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" \
       --repeats "$REPEATS" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" \
       > "$OUT/p8-$label.txt" 2>&1
