@@ -114,7 +114,7 @@ case "$SIDE" in
       [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
       # One frontend process (of P) under py-spy during runs without logprobs, where the stack
       # misses; the load reaches it through SO_REUSEPORT like the others.
-      target=$(pgrep -P $frontend | head -1)
+      target=$(pgrep -f spawn_main -P $frontend | head -1)  # not the resource tracker
       timeout 120 /tmp/pyspy/bin/py-spy record --pid "$target" --rate 200 --duration 20 \
         --format raw --output "$OUT/profile-$label-frontend.txt" > "$OUT/pyspy-$label.log" 2>&1 &
       spy=$!
