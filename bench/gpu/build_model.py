@@ -1,11 +1,19 @@
 """A ~1B-parameter random-weight Llama (bf16) with a 32k tokenizer trained here: the GPU runs'
 model (issue 7). No model hub on the device machine; everything is seeded.
 
+`--size 8b` builds Llama-3-8B's shape instead (hidden 4096, intermediate 14336, 32 layers, 32
+heads, 8 KV heads; with this 32k vocabulary 7.24 B parameters, ~14.5 GB of safetensors): the
+model of the multi-GPU runs (issue 19), big enough that tensor parallelism matters. It is
+initialised in bf16 directly on the device (random init of 7.2 B parameters in fp32 and a cast
+would need ~45 GB and take longer); the 1b model is built exactly as before (fp32, then cast),
+so its weights do not change.
+
 The tokenizer is Llama-like (Metaspace, BPE with byte fallback, the 256 `<0xNN>` byte tokens in
 the vocabulary), trained on random syllable words until it has VOCAB pieces, so token text and
 bytes are as varied as a real vocabulary's.
 
     python -m bench.gpu.build_model /tmp/llama-1b [--device cuda]
+    python -m bench.gpu.build_model /tmp/llama-8b --size 8b
 """
 
 from __future__ import annotations
@@ -25,6 +33,19 @@ SHAPE = dict(
     num_key_value_heads=8,
     max_position_embeddings=4096,
 )
+SHAPES = {
+    "1b": SHAPE,
+    # Llama-3-8B's transformer (its rope_theta too); the vocabulary stays this tokenizer's 32k.
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+}
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
 
@@ -64,7 +85,7 @@ def train_tokenizer():  # -> tokenizers.Tokenizer
     return tok
 
 
-def build(target: Path, device: str) -> None:
+def build(target: Path, device: str, size: str = "1b") -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -74,11 +95,20 @@ def build(target: Path, device: str) -> None:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     config = LlamaConfig(
-        vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", **SHAPE
+        vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", **SHAPES[size]
     )
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if size == "1b":
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+    else:
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(target, safe_serialization=True)
     hf_tok.save_pretrained(target)
@@ -92,8 +122,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", type=Path)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--size", choices=sorted(SHAPES), default="1b", help="model shape (default: 1b)"
+    )
     args = parser.parse_args()
-    build(args.target, args.device)
+    build(args.target, args.device, args.size)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Device call 8 of the GPU run (after the seven chunk calls; see bench/gpu/README.md): install the
 # bundle's wheels to /tmp/site, check that this checkout's vLLM-facing imports work against the
-# device's vLLM, and build the ~1B random Llama on the GPU.
+# device's vLLM, and build the ~1B random Llama on the GPU (SIZES="1b 8b": the ~8B one too).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -16,4 +16,8 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1
   nats-server --version
   python3 -c "import worker.engine.vllm_adapter, worker.cli, worker.engine.scaleout; from vllm.logprobs import FlatLogprobs; print('worker imports ok; FlatLogprobs', sorted(FlatLogprobs.__dataclass_fields__))"
 } 2>&1 | tee "$OUT/setup.txt"
-[ -f /tmp/llama-1b/config.json ] || python3 -m bench.gpu.build_model /tmp/llama-1b 2>&1 | tail -3 | tee -a "$OUT/setup.txt"
+# SIZES="1b 8b" (or "8b") also builds Llama-3-8B's shape in /tmp/llama-8b (issue 19, ~15 GB).
+for size in ${SIZES:-1b}; do
+  [ -f "/tmp/llama-$size/config.json" ] || python3 -m bench.gpu.build_model "/tmp/llama-$size" \
+    --size "$size" 2>&1 | tail -3 | tee -a "$OUT/setup.txt"
+done
