@@ -14,7 +14,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from messages.kv import KvEventBatch
+from messages.kv import BATCH_DECODER, BlocksStored
 from messages.subjects import Subjects
 from tests.helpers import make_request
 from worker.client import KvRouter, generate
@@ -245,7 +245,14 @@ async def test_events_on_the_wire_spell_the_contract(nats_server):
             events = await nc.subscribe("kvwire.fake.kv.generate.events.w1")
             load = await nc.subscribe("kvwire.fake.kv.generate.load.w1")
             await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
-            batch = msgspec.msgpack.decode((await events.next_msg(timeout=2)).data)
+            raw = (await events.next_msg(timeout=2)).data
+            batch = msgspec.msgpack.decode(raw)
+            assert BATCH_DECODER.decode(raw).events[0] == BlocksStored(  # the router's decoder
+                stored_hashes := msgspec.msgpack.decode(raw)["events"][0]["block_hashes"],
+                None,
+                CONVERSATION_A,
+            )
+            assert len(stored_hashes) == 10
             assert set(batch) == {"instance_id", "epoch", "seq", "block_size", "events"}
             assert (batch["instance_id"], batch["seq"], batch["block_size"]) == ("w1", 0, 4)
             (stored,) = batch["events"]
@@ -268,7 +275,6 @@ async def test_events_on_the_wire_spell_the_contract(nats_server):
             snapshot = msgspec.msgpack.decode(answer.data)
             assert snapshot["seq"] == 0 and snapshot["epoch"] == batch["epoch"]
             assert len(snapshot["blocks"]) == 10 and snapshot["blocks"][0]["type"] == "stored"
-            KvEventBatch  # the struct the router decodes these with (messages.kv)
         finally:
             await nc.close()
 
