@@ -5,22 +5,13 @@ state. Two workers with engines of their own: bench/p10_kv_routing.py."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import msgspec
 
-from tests.helpers import TEST_SUBJECTS, make_request
+from tests.helpers import TEST_SUBJECTS, make_request, until
 from worker.client import KvRouter, generate
 from worker.client.prefix_index import prefix_keys
-
-
-async def until(condition, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 def block_size(engine) -> int:

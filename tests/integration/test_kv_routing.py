@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 
 from messages.kv import BATCH_DECODER, BlocksStored
 from messages.subjects import Subjects
-from tests.helpers import make_request
+from tests.helpers import make_request, until
 from worker.client import KvRouter, generate
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import FakePrefixCache, PacedFakeEngine
@@ -65,14 +65,6 @@ async def serve(nc: NATS, subject: str, tokens: list[int], request_id: str) -> N
         nc, make_request(request_id, tokens, max_tokens=2), subject=subject
     ):
         assert not frame.error, frame.error
-
-
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 def cached_blocks(router: KvRouter, instance_id: str) -> int:
