@@ -140,7 +140,7 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         )
         samples = await asyncio.to_thread(scrape, port)
         outcome = f"model_name={tiny_model},outcome=length"
-        assert samples[f"nats_worker_requests_total{{{outcome}}}"] == 16
+        assert samples[f"nats_worker_requests_total{{{outcome}}}"] == 17  # and mp-kv
 
         # A cancel (the client leaving early) reaches whichever process serves the request.
         async for frame in generate(
