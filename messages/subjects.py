@@ -1,6 +1,8 @@
 """Subject names: `<namespace>.<component>.<endpoint>` for the queue group,
 `<namespace>.<component>.<endpoint>.<instance_id>` for direct routing to one worker, and
-`<namespace>.<component>.<endpoint>.cancel` (every worker, no queue group) for cancellation."""
+`<namespace>.<component>.<endpoint>.cancel` (every worker, no queue group) for cancellation, and
+`<namespace>.<component>.kv.<endpoint>.{events,snapshot,load}.<instance_id>` for KV-cache routing
+(messages/kv.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ REPLY_HEADER = "Reply-To"
 # The header that marks a worker's liveness probe on a reply subject (an empty NATS request whose
 # "no responders" answer means nobody listens): readers skip such messages; they are not frames.
 PROBE_HEADER = "Vllm-Nats-Probe"
+KV_KINDS = ("events", "snapshot", "load")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,15 @@ class Subjects:
     @property
     def cancel(self) -> str:
         return f"{self.generate}.{CANCEL_TOKEN}"
+
+    def kv(self, kind: str, instance_id: str = "*") -> str:
+        """A KV-routing subject of one instance (`kind`: events, snapshot or load); the default
+        `*` is the wildcard a router subscribes to."""
+        if kind not in KV_KINDS:
+            raise ValueError(f"kind {kind!r} must be one of {KV_KINDS}")
+        if instance_id != "*" and not _TOKEN.match(instance_id):
+            raise ValueError(f"instance_id {instance_id!r} must be one NATS subject token")
+        return f"{self.namespace}.{self.component}.kv.{self.endpoint}.{kind}.{instance_id}"
 
     def instance(self, instance_id: str) -> str:
         if not _TOKEN.match(instance_id) or instance_id == CANCEL_TOKEN:

@@ -80,11 +80,14 @@ def nats_server() -> Iterator[NatsServer]:
 @pytest.fixture(scope="session")
 async def engine(tiny_model: Path):  # -> VllmEngine
     from worker.engine import fast_merge as vllm_fast_merge
+    from worker.engine import kv_events
     from worker.engine.args import tiny_engine_args
     from worker.engine.vllm_adapter import VllmEngine
 
     vllm_fast_merge.install()  # as worker.cli.serve does
-    engine = await VllmEngine.start(tiny_engine_args(tiny_model))
+    args = tiny_engine_args(tiny_model)
+    kv_events.configure(args)  # as worker.cli.engine_args does (--kv-events is on by default)
+    engine = await VllmEngine.start(args)
     yield engine
     engine.shutdown()
 

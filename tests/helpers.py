@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -360,3 +360,12 @@ async def serving(app: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Returns once `condition()` holds; fails the test after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)

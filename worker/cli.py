@@ -115,6 +115,14 @@ OPTIONS: list[Option] = [
         "retryable 'worker_shutdown' error frame",
         float,
     ),
+    Option(
+        "--kv-events",
+        WorkerConfig,
+        "kv_events",
+        "KV-aware routing: publish vLLM's prefix-cache events, snapshots and load reports on "
+        "NATS (README: KV-aware routing); --no-kv-events turns it off",
+        bool,
+    ),
     Option("--max-n", WorkerConfig, "max_n", "largest n (choices) accepted", int),
     Option(
         "--max-tokens-limit",
@@ -239,6 +247,11 @@ def build_parser(prog: str = "vllm-nats-worker") -> argparse.ArgumentParser:
             help_text += f" (default: {shown})"
         if option.dest in env_of:
             help_text += f" [env {env_of[option.dest]}]"
+        if option.type is bool:
+            group.add_argument(
+                option.flag, action=argparse.BooleanOptionalAction, default=value, help=help_text
+            )
+            continue
         group.add_argument(
             option.flag, type=option.type, choices=option.choices, default=value, help=help_text
         )
@@ -301,7 +314,15 @@ def engine_args(args: argparse.Namespace) -> Any:
 
         dev_model = ensure_tiny_model()
         log.warning("--dev and no --model: serving the tiny demo model %s (random)", dev_model)
-    return engine_cli.engine_args(args, dev_model=dev_model)
+    engine = engine_cli.engine_args(args, dev_model=dev_model)
+    if args.kv_events and args.mode == "core":
+        from worker.engine import kv_events
+
+        kv_events.configure(engine)
+        # The processes of --worker-processes build their engine arguments again from `args`:
+        # they must read the publisher the engine core was launched with.
+        args.kv_events_config = engine.kv_events_config
+    return engine
 
 
 @dataclass(frozen=True)

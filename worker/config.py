@@ -140,6 +140,11 @@ class WorkerConfig:
     """Operator cap on stop_conditions.max_tokens (None: the model's context length)."""
     health_interval_s: float = 5.0
     """How often the engine's health is checked; a dead engine ends the worker non-zero."""
+    kv_events: bool = True
+    """KV-aware routing (messages/kv.py): vLLM publishes its prefix-cache events, the worker
+    republishes them on NATS, answers snapshots and reports its load every load_interval_s
+    (core mode; a JetStream work queue is not routed to an instance)."""
+    load_interval_s: float = 1.0
     processes: int = 1
     """Worker processes over one engine core (worker/engine/scaleout.py), each with its own NATS
     connection in the same queue group; max_concurrency is the whole worker's, split evenly."""

@@ -23,8 +23,10 @@ from tests.helpers import (
     scrape,
     sigterm_mid_stream,
     start_cli_worker,
+    until,
 )
-from worker.client import complete, discover_workers, generate
+from worker.client import KvRouter, complete, discover_workers, generate
+from worker.client.prefix_index import prefix_keys
 
 PROMPT = [1, 300, 301, 302]
 
@@ -101,6 +103,29 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         assert [r.choices[0].finish_reason for r in results] == ["length"] * 16
         assert all(len(r.choices[0].top_logprobs) == 8 for r in results)
 
+        # KV-aware routing: each process reads the one engine core's cache events and
+        # publishes them as its own instance, so both hold what either served.
+        router = KvRouter(client, subjects)
+        await router.start()
+        try:
+            assert sorted(router.workers) == ids
+            index = router.workers[ids[0]].index
+            assert index is not None
+            size = index.block_size
+            prompt = [3 + (i * 7) % 900 for i in range(2 * size)]
+            served = await complete(
+                client,
+                make_request("mp-kv", prompt, max_tokens=2),
+                subject=subjects.instance(ids[1]),
+            )
+            assert served.choices[0].finish_reason == "length"
+            keys = prefix_keys(prompt, size)
+            await until(
+                lambda: all(router.workers[i].index.overlap(keys) == 2 for i in ids)  # type: ignore[union-attr]
+            )
+        finally:
+            await router.stop()
+
         # The parent's metrics port: the processes' counters summed, /health for both.
         port = next(
             int(m.group(1))
@@ -115,7 +140,7 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         )
         samples = await asyncio.to_thread(scrape, port)
         outcome = f"model_name={tiny_model},outcome=length"
-        assert samples[f"nats_worker_requests_total{{{outcome}}}"] == 16
+        assert samples[f"nats_worker_requests_total{{{outcome}}}"] == 17  # and mp-kv
 
         # A cancel (the client leaving early) reaches whichever process serves the request.
         async for frame in generate(

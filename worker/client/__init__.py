@@ -36,8 +36,13 @@ from worker.client.reader import (
     is_probe,
     read_frames,
 )
+from worker.client.router import ROUTING_MODES, KvRouter, Route, RoutingMode
 
 __all__ = [
+    "ROUTING_MODES",
+    "KvRouter",
+    "Route",
+    "RoutingMode",
     "Choice",
     "Completion",
     "FrameOrderError",

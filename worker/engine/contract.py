@@ -7,11 +7,12 @@ needs from an engine is here: its limits, a stream of steps per request, and abo
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from messages.frames import FinishReason, TopLogprob
+from messages.kv import KvEvent
 from messages.request import GenerateRequest
 from worker.errors import WorkerError
 
@@ -81,6 +82,26 @@ class EngineStep:
     choices: list[ChoiceDelta]
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine scheduler's latest view (vLLM's SchedulerStats)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    """Share of the KV cache in use, 0..1."""
+
+
+class KvEventSource(Protocol):
+    """The engine's prefix-cache events (worker/engine/kv_events.py), for KV-aware routing."""
+
+    block_size: int
+
+    def batches(self) -> AsyncIterator[list[KvEvent]]:
+        """Each step's events, from the engine's start (as far as it still holds them) on."""
+        ...
+
+
 class Engine(Protocol):
     limits: EngineLimits
 
@@ -98,5 +119,13 @@ class Engine(Protocol):
     def num_unfinished_requests(self) -> int: ...
 
     async def check_health(self) -> None: ...
+
+    def kv_events(self) -> KvEventSource | None:
+        """A new reader of the engine's cache events; None when it publishes none."""
+        ...
+
+    def load(self) -> EngineLoad | None:
+        """None when the engine does not report its scheduler's state."""
+        ...
 
     def shutdown(self) -> None: ...

@@ -62,7 +62,9 @@ def client_engine_args(engine_args: Any, client_config: dict[str, Any]) -> Any:
     return engine_args
 
 
-def client_llm(engine_args: Any, client_config: dict[str, Any]) -> Any:
+def client_llm(
+    engine_args: Any, client_config: dict[str, Any], stat_loggers: list[Any] | None = None
+) -> Any:
     """An AsyncLLM client of the shared engine core, from a child's `client_config`."""
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -79,6 +81,7 @@ def client_llm(engine_args: Any, client_config: dict[str, Any]) -> Any:
         client_addresses=config,
         client_count=count,
         client_index=index,
+        stat_loggers=stat_loggers,
     )
 
 

@@ -35,10 +35,12 @@ from worker.engine.contract import (
     EngineDead,
     EngineFailure,
     EngineLimits,
+    EngineLoad,
     EngineStep,
     InvalidRequest,
     PromptRows,
 )
+from worker.engine.kv_events import VllmKvEvents
 from worker.engine.tokens import TokenTable
 from worker.errors import describe
 from worker.validation import max_new_tokens
@@ -101,10 +103,17 @@ def _input_error(error: BaseException) -> BaseException | None:
 class VllmEngine:
     """One AsyncLLM plus what is derived from it once: limits and the token table."""
 
-    def __init__(self, llm: AsyncLLM, table: TokenTable, limits: EngineLimits) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        table: TokenTable,
+        limits: EngineLimits,
+        scheduler: SchedulerLoad | None = None,
+    ) -> None:
         self._llm = llm
         self.table = table
         self.limits = limits
+        self._scheduler = scheduler
         # vLLM 0.32+ renders prompts itself (VllmEngine._prompt); 0.24 has no renderer.
         self._renderer = getattr(llm, "renderer", None) if _parse_model_prompt else None
 
@@ -116,12 +125,16 @@ class VllmEngine:
         engine core another process launched."""
         # EngineCore and its workers die with this process (worker/engine/reaper.py).
         reaper.watch_this_process()
+        # The scheduler's load for routing, where the engine collects stats anyway (a custom
+        # stat logger would turn collection on against --disable-log-stats).
+        scheduler = None if engine_args.disable_log_stats else SchedulerLoad()
+        loggers = [scheduler.factory] if scheduler is not None else None
         if client_config is None:
             log.info("starting vLLM engine for model %s", engine_args.model)
-            llm = AsyncLLM.from_engine_args(engine_args)
+            llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
         else:
             log.info("client %s of a shared engine core", client_config.get("client_index"))
-            llm = scaleout.client_llm(engine_args, client_config)
+            llm = scaleout.client_llm(engine_args, client_config, stat_loggers=loggers)
         model_config = llm.model_config
         tokenizer = llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # older vLLM: get_tokenizer() is a coroutine
@@ -136,7 +149,7 @@ class VllmEngine:
             engine=f"vllm {vllm_version}",
         )
         table = TokenTable.from_tokenizer(tokenizer, vocab_size)
-        engine = cls(llm, table, limits)
+        engine = cls(llm, table, limits, scheduler)
         await engine._warm_up()
         log.info("engine ready: %s", limits)
         return engine
@@ -284,6 +297,12 @@ class VllmEngine:
     def num_unfinished_requests(self) -> int:
         return self._llm.get_num_unfinished_requests()
 
+    def kv_events(self) -> VllmKvEvents | None:
+        return VllmKvEvents.of(self._llm.vllm_config)
+
+    def load(self) -> EngineLoad | None:
+        return self._scheduler.latest if self._scheduler is not None else None
+
     async def check_health(self) -> None:
         try:
             await self._llm.check_health()
@@ -295,6 +314,37 @@ class VllmEngine:
         # Let the AsyncLLM be collected now: if it lives until interpreter exit, its __del__
         # shuts down again with vLLM's module globals already torn down (a noisy TypeError).
         self._llm = None
+
+
+class SchedulerLoad:
+    """The latest scheduler stats of the engine, through vLLM's public stat-logger hook
+    (`AsyncLLM(stat_loggers=[factory])`; SchedulerStats' fields are vLLM's, not a stable API,
+    so each is read with a default)."""
+
+    def __init__(self) -> None:
+        self.latest: EngineLoad | None = None
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        holder = self
+
+        class LatestSchedulerStats(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is not None:
+                    holder.latest = EngineLoad(
+                        getattr(scheduler_stats, "num_running_reqs", 0),
+                        getattr(scheduler_stats, "num_waiting_reqs", 0),
+                        float(getattr(scheduler_stats, "kv_cache_usage", 0.0)),
+                    )
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return LatestSchedulerStats(vllm_config, engine_index)
 
 
 def _finish_reason(output: CompletionOutput, eos_ids: frozenset[int]) -> FinishReason | None:

@@ -47,6 +47,7 @@ from worker.client import (
     jetstream_stream,
     subjects_of,
 )
+from worker.client.router import KvRouter
 from worker.frontend.metrics import FrontendMetrics, route_label
 from worker.frontend.openai_shapes import (
     ChatChoice,
@@ -403,15 +404,27 @@ def create_app(
     if nc is not None:
         state["nc"] = nc
     metrics = metrics or FrontendMetrics()
+    routers: list[KvRouter] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         owned = None
         if "nc" not in state and connect is not None:
             owned = state["nc"] = await connect()
+        if "nc" in state and not settings.jetstream and settings.router != "queue":
+            router = KvRouter(
+                state["nc"],
+                subjects_of(settings.subject),
+                mode=settings.router,
+                load_weight=settings.load_weight,
+            )
+            await router.start()
+            routers.append(router)
         try:
             yield
         finally:
+            for router in routers:
+                await router.stop()
             if owned is not None:
                 await owned.close()
 
@@ -472,10 +485,11 @@ def create_app(
                 timeout=settings.timeout_s,
             )
         else:
+            route = routers[0].route(generate_request.token_ids) if routers else None
             source = generate(
                 nc,
                 generate_request,
-                subject=settings.subject,
+                subject=route.subject if route and route.subject else settings.subject,
                 timeout=settings.timeout_s,
                 retries=settings.retries,
             )

@@ -11,6 +11,7 @@ import socket
 import sys
 import tempfile
 
+from worker.client.router import ROUTING_MODES
 from worker.config import at_least_one, default, environment, share_metrics_with_children
 from worker.frontend.settings import FrontendSettings
 from worker.nats.options import LOCAL_URL, add_nats_arguments, nats_config
@@ -69,6 +70,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="retries of a refused request on other workers (default: %(default)s)",
     )
     parser.add_argument(
+        "--router",
+        choices=ROUTING_MODES,
+        default=_default("router"),
+        help="kv: to the worker holding the longest cached prefix of the prompt, weighed "
+        "against load (workers' --kv-events); least-busy; queue: the queue group "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--router-load-weight",
+        type=float,
+        default=_default("load_weight"),
+        help="kv routing: cached blocks one more in-flight request on a worker is worth "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--processes",
         type=at_least_one,
         default=_default("processes"),
@@ -87,6 +103,8 @@ def settings_of(args: argparse.Namespace) -> FrontendSettings:
         timeout_s=args.timeout,
         retries=args.retries,
         jetstream=args.jetstream,
+        router=args.router,
+        load_weight=args.router_load_weight,
         api_key=args.api_key or None,
         host=args.host,
         port=args.port,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from messages.subjects import Subjects
+from worker.client.router import RoutingMode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +25,13 @@ class FrontendSettings:
     """Further attempts on other workers after a retryable refusal (overloaded, shutdown)."""
     jetstream: bool = False
     """Publish to the subject's JetStream work queue (workers in `--mode jetstream`)."""
+    router: RoutingMode = "kv"
+    """How a request picks its worker (worker/client/router.py): "kv", the worker holding the
+    longest cached prefix of its prompt weighed against load; "least-busy"; "queue", the queue
+    group. With nothing known of the workers (none reports yet, or all draining or full) every
+    mode sends to the queue group. JetStream mode always queues."""
+    load_weight: float = 1.0
+    """"kv" routing: cached blocks one more in-flight request is worth."""
     api_key: str | None = None
     """When set, every `/v1/*` request needs `Authorization: Bearer <api_key>` (else 401); the
     other routes (`/health`, `/metrics`, `/version`, `/tokenize`, `/detokenize`) stay open, as in

@@ -24,6 +24,7 @@ from worker.nats.compat import flush_ordered
 from worker.nats.discovery import Discovery, Endpoint
 from worker.nats.intake.core import CoreIntake
 from worker.nats.intake.jetstream import stream_name
+from worker.nats.kv_publisher import KvPublisher
 from worker.nats.liveness import Liveness, NatsReply
 from worker.service import SubjectStats, Worker
 
@@ -51,6 +52,7 @@ class NatsWorker(Worker):
         )
         self.service: Discovery | None = None
         self.intake: CoreIntake | None = None
+        self.kv: KvPublisher | None = None
         self._cancel_subscription: Subscription | None = None
         self._prober: asyncio.Task[None] | None = None
 
@@ -80,6 +82,17 @@ class NatsWorker(Worker):
                 self, self.nc, self.liveness, [(e.subject, e.queue_group) for e in endpoints]
             )
             await self.intake.start()
+            if config.kv_events:
+                self.kv = KvPublisher(
+                    self.nc,
+                    subjects,
+                    config.instance_id,
+                    self.engine,
+                    self.engine.kv_events(),
+                    lambda: (self.in_flight, config.max_concurrency, self.draining),
+                    interval_s=config.load_interval_s,
+                )
+                await self.kv.start()
         # Cancels go to every worker (no queue group): only the one serving the request acts.
         self._cancel_subscription = await self.nc.subscribe(subjects.cancel, cb=self._on_cancel)
         self._prober = asyncio.create_task(self.liveness.run())
@@ -126,7 +139,11 @@ class NatsWorker(Worker):
         self.cancel(cancel.request_id, cancel.reply_subject)
 
     async def drain(self, timeout_s: float) -> None:
-        """Stops taking requests and answering discovery, then drains the core."""
+        """Stops taking requests and answering discovery, then drains the core. Routers hear
+        that it drains before it stops taking requests."""
+        self._draining = True
+        if self.kv is not None:
+            await self.kv.publish_load()
         if self.intake is not None:
             await self.intake.stop()
         if self.service is not None:
@@ -135,6 +152,8 @@ class NatsWorker(Worker):
 
     async def stop(self) -> None:
         await self.drain(0.0)
+        if self.kv is not None:
+            await self.kv.stop()
         if self._prober is not None:
             self._prober.cancel()
         if self._cancel_subscription is not None:

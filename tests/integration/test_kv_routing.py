@@ -1,0 +1,293 @@
+"""KV-aware routing on a real nats-server with fake engines whose fake prefix caches emit
+engine-like events (worker.dev.fakes.FakePrefixCache): snapshots for a late router, restarts,
+lost batches, draining and full workers. The real engine's events: tests/e2e/test_kv_routing.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from messages.kv import BATCH_DECODER, BlocksStored
+from messages.subjects import Subjects
+from tests.helpers import make_request, until
+from worker.client import KvRouter, generate
+from worker.config import NatsConfig, WorkerConfig
+from worker.dev.fakes import FakePrefixCache, PacedFakeEngine
+from worker.nats.connection import connect
+from worker.nats.worker import NatsWorker
+
+BLOCK = 4
+SYSTEM = list(range(100, 116))  # 4 blocks every conversation shares
+CONVERSATION_A = SYSTEM + list(range(200, 224))  # + 6 blocks of its own
+CONVERSATION_B = SYSTEM + list(range(300, 324))
+
+
+@contextlib.asynccontextmanager
+async def fleet(
+    url: str, subjects: Subjects
+) -> AsyncIterator[Callable[..., Awaitable[NatsWorker]]]:
+    """Starts workers on fake engines with prefix caches; stops them all at the end."""
+    made: list[tuple[NatsWorker, NATS]] = []
+
+    async def start(instance_id: str, **settings: object) -> NatsWorker:
+        config = WorkerConfig(
+            nats=NatsConfig(servers=[url]),
+            subjects=subjects,
+            instance_id=instance_id,
+            load_interval_s=0.2,
+            **settings,  # type: ignore[arg-type]
+        )
+        engine = PacedFakeEngine(step_s=0.01, cache=FakePrefixCache(BLOCK))
+        nc = await connect(config.nats)
+        worker = NatsWorker(engine, nc, config)
+        await worker.start()
+        made.append((worker, nc))
+        return worker
+
+    try:
+        yield start
+    finally:
+        for worker, nc in made:
+            await worker.stop()
+            await nc.close()
+
+
+async def serve(nc: NATS, subject: str, tokens: list[int], request_id: str) -> None:
+    """One request to `subject`, read to its end: its prompt is then in that worker's cache."""
+    async for frame in generate(
+        nc, make_request(request_id, tokens, max_tokens=2), subject=subject
+    ):
+        assert not frame.error, frame.error
+
+
+def cached_blocks(router: KvRouter, instance_id: str) -> int:
+    view = router.workers.get(instance_id)
+    return len(view.index) if view is not None and view.index is not None else -1
+
+
+async def test_a_router_started_after_the_workers_routes_from_their_snapshots(nats_server):
+    subjects = Subjects("kvlate", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        await start("w1")
+        await start("w2")
+        nc = await nats.connect(nats_server.url)
+        try:
+            await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
+            await serve(nc, subjects.instance("w2"), CONVERSATION_B, "b-1")
+            router = KvRouter(nc, subjects)
+            await router.start()
+            try:
+                # Learned from snapshots by the time start() returns: no event has come since.
+                assert router.resyncs >= 2
+                assert cached_blocks(router, "w1") == 10
+                assert cached_blocks(router, "w2") == 10
+                next_turn_a = CONVERSATION_A + list(range(400, 408))
+                next_turn_b = CONVERSATION_B + list(range(500, 508))
+                route_a, route_b = router.route(next_turn_a), router.route(next_turn_b)
+                assert (route_a.instance_id, route_a.overlap_blocks) == ("w1", 10)
+                assert (route_b.instance_id, route_b.overlap_blocks) == ("w2", 10)
+                assert route_a.subject == "kvlate.fake.generate.w1"
+                # The route is a subject generate() serves: the new turn lands on w1 and its
+                # new blocks reach the index as events.
+                await serve(nc, route_a.subject, next_turn_a, "a-2")
+                await until(lambda: cached_blocks(router, "w1") == 12)
+                # A prompt nobody holds (beyond the shared system prompt) goes by load.
+                fresh = router.route(SYSTEM + list(range(600, 620)))
+                assert fresh.overlap_blocks == 4 and fresh.instance_id in {"w1", "w2"}
+            finally:
+                await router.stop()
+        finally:
+            await nc.close()
+
+
+async def test_a_restarted_worker_is_dropped_and_rebuilt(nats_server):
+    subjects = Subjects("kvrestart", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        first = await start("w1")
+        await start("w2")
+        nc = await nats.connect(nats_server.url)
+        router = KvRouter(nc, subjects, stale_s=0.6)
+        try:
+            await router.start()
+            await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
+            await until(lambda: cached_blocks(router, "w1") == 10)
+            old_epoch = router.workers["w1"].epoch
+            await first.stop()  # its last load report says draining: never routed to again
+            await until(lambda: router.workers["w1"].load.draining)  # type: ignore[union-attr]
+            assert router.route(CONVERSATION_A).instance_id == "w2"
+            # Restarted under the same instance id: a new epoch, an empty cache.
+            await start("w1")
+            await until(lambda: router.workers["w1"].epoch != old_epoch)
+            await until(lambda: cached_blocks(router, "w1") == 0)
+            await serve(nc, subjects.instance("w1"), CONVERSATION_B, "b-1")
+            await until(lambda: cached_blocks(router, "w1") == 10)
+            assert router.route(CONVERSATION_B).instance_id == "w1"
+            assert router.route(CONVERSATION_A).overlap_blocks == 4  # only what w1 holds now
+        finally:
+            await router.stop()
+            await nc.close()
+
+
+async def test_a_silent_worker_is_forgotten(nats_server):
+    subjects = Subjects("kvsilent", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        worker = await start("w1")
+        nc = await nats.connect(nats_server.url)
+        router = KvRouter(nc, subjects, stale_s=0.6)
+        try:
+            await router.start()
+            await until(lambda: "w1" in router.workers and router.workers["w1"].load is not None)
+            assert router.route(CONVERSATION_A).instance_id == "w1"
+            await worker.kv.stop()  # type: ignore[union-attr]  # as a killed worker: no reports
+            await asyncio.sleep(0.8)
+            route = router.route(CONVERSATION_A)
+            assert route.subject is None  # nothing known: the queue group
+            assert "w1" not in router.workers
+        finally:
+            await router.stop()
+            await nc.close()
+
+
+async def test_a_lost_batch_triggers_a_resync(nats_server):
+    subjects = Subjects("kvgap", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        worker = await start("w1")
+        nc = await nats.connect(nats_server.url)
+        router = KvRouter(nc, subjects)
+        try:
+            await router.start()
+            await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
+            await until(lambda: cached_blocks(router, "w1") == 10)
+            before = router.resyncs
+            # A batch lost in the middle: the next one's seq jumps.
+            assert worker.kv is not None
+            worker.kv.seq += 1
+            await serve(nc, subjects.instance("w1"), CONVERSATION_B, "b-1")
+            await until(lambda: router.resyncs == before + 1)
+            await until(lambda: cached_blocks(router, "w1") == 16)
+            # The last batch lost: no later batch shows the gap, the load report's kv_seq does.
+            publish = worker.kv.nc.publish
+            dropped: list[str] = []
+
+            async def lossy(subject: str, payload: bytes = b"", **kw: object) -> None:
+                if ".kv.generate.events." in subject and not dropped:
+                    dropped.append(subject)
+                    return
+                await publish(subject, payload, **kw)  # type: ignore[arg-type]
+
+            worker.kv.nc.publish = lossy  # type: ignore[method-assign]
+            await serve(nc, subjects.instance("w1"), SYSTEM + list(range(700, 708)), "c-1")
+            assert dropped
+            await until(lambda: router.resyncs == before + 2)
+            await until(lambda: cached_blocks(router, "w1") == 18)
+            assert router.route(SYSTEM + list(range(700, 708))).overlap_blocks == 6
+        finally:
+            await router.stop()
+            await nc.close()
+
+
+async def test_never_routes_to_a_full_or_draining_worker(nats_server):
+    subjects = Subjects("kvfull", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        holder = await start("w1", max_concurrency=1)
+        await start("w2")
+        nc = await nats.connect(nats_server.url)
+        router = KvRouter(nc, subjects)
+        try:
+            await router.start()
+            await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
+            await until(lambda: cached_blocks(router, "w1") == 10)
+            assert router.route(CONVERSATION_A).instance_id == "w1"
+            # w1 at its limit (one long request): the prefix is there, the worker is full.
+            long = make_request("long", CONVERSATION_B, max_tokens=200)
+            running = asyncio.create_task(serve_request(nc, subjects.instance("w1"), long))
+            await until(lambda: router.workers["w1"].load.in_flight == 1)  # type: ignore[union-attr]
+            assert [router.route(CONVERSATION_A).instance_id for _ in range(5)] == ["w2"] * 5
+            # Draining: never again, even once its requests are done.
+            drain = asyncio.create_task(holder.drain(5.0))
+            await until(lambda: router.workers["w1"].load.draining)  # type: ignore[union-attr]
+            await running
+            await drain
+            await until(lambda: router.workers["w1"].load.in_flight == 0)  # type: ignore[union-attr]
+            assert [router.route(CONVERSATION_A).instance_id for _ in range(5)] == ["w2"] * 5
+        finally:
+            await router.stop()
+            await nc.close()
+
+
+async def serve_request(nc: NATS, subject: str, request: object) -> None:
+    async for frame in generate(nc, request, subject=subject):  # type: ignore[arg-type]
+        assert not frame.error, frame.error
+
+
+async def test_events_on_the_wire_spell_the_contract(nats_server):
+    """The field names and subjects a router in another language reads."""
+    subjects = Subjects("kvwire", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        await start("w1")
+        nc = await nats.connect(nats_server.url)
+        try:
+            events = await nc.subscribe("kvwire.fake.kv.generate.events.w1")
+            load = await nc.subscribe("kvwire.fake.kv.generate.load.w1")
+            await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
+            raw = (await events.next_msg(timeout=2)).data
+            batch = msgspec.msgpack.decode(raw)
+            assert BATCH_DECODER.decode(raw).events[0] == BlocksStored(  # the router's decoder
+                stored_hashes := msgspec.msgpack.decode(raw)["events"][0]["block_hashes"],
+                None,
+                CONVERSATION_A,
+            )
+            assert len(stored_hashes) == 10
+            assert set(batch) == {"instance_id", "epoch", "seq", "block_size", "events"}
+            assert (batch["instance_id"], batch["seq"], batch["block_size"]) == ("w1", 0, 4)
+            (stored,) = batch["events"]
+            assert stored["type"] == "stored"
+            assert stored["parent_block_hash"] is None
+            assert stored["token_ids"] == CONVERSATION_A and len(stored["block_hashes"]) == 10
+            report = msgspec.msgpack.decode((await load.next_msg(timeout=2)).data)
+            assert {
+                "instance_id",
+                "epoch",
+                "in_flight",
+                "max_concurrency",
+                "draining",
+                "kv_seq",
+                "running",
+                "waiting",
+                "kv_usage",
+            } <= set(report)
+            answer = await nc.request("kvwire.fake.kv.generate.snapshot.w1", b"", timeout=2)
+            snapshot = msgspec.msgpack.decode(answer.data)
+            assert snapshot["seq"] == 0 and snapshot["epoch"] == batch["epoch"]
+            assert len(snapshot["blocks"]) == 10 and snapshot["blocks"][0]["type"] == "stored"
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize("mode", ["queue", "least-busy"])
+async def test_the_comparison_modes(nats_server, mode):
+    subjects = Subjects("kvmodes", "fake", mode.replace("-", ""))
+    async with fleet(nats_server.url, subjects) as start:
+        await start("w1")
+        await start("w2")
+        nc = await nats.connect(nats_server.url)
+        router = KvRouter(nc, subjects, mode=mode)  # type: ignore[arg-type]
+        try:
+            await router.start()
+            await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
+            await asyncio.sleep(0.3)
+            routes = {router.route(CONVERSATION_A).instance_id for _ in range(40)}
+            if mode == "queue":
+                assert routes == {None}
+            else:  # by load alone: both workers, whatever they hold
+                assert routes == {"w1", "w2"}
+        finally:
+            await router.stop()
+            await nc.close()

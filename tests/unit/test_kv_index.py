@@ -1,0 +1,110 @@
+"""KV routing without a server: the router's prefix index, the worker's cache mirror and
+snapshot, the decoding of vLLM's event batches, and the subjects."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from messages.kv import AllCleared, BlocksRemoved, BlocksStored
+from messages.subjects import Subjects
+from worker.client.prefix_index import PrefixIndex, prefix_keys
+from worker.engine.kv_events import decode_batch
+from worker.nats.kv_publisher import CacheMirror
+
+A = [1, 2, 3, 4, 5, 6, 7, 8]
+B = [1, 2, 3, 4, 9, 9, 9, 9]
+
+
+def test_prefix_keys_chain_whole_prefixes_and_skip_the_partial_block():
+    assert len(prefix_keys(A + [10, 11], 4)) == 2
+    a, b = prefix_keys(A, 4), prefix_keys(B, 4)
+    assert a[0] == b[0] and a[1] != b[1]  # same first block, different second
+    # The same second block after a different first one is a different key.
+    assert prefix_keys([0, 0, 0, 0] + A[4:], 4)[1] != a[1]
+
+
+def test_the_index_follows_stored_removed_and_cleared_by_engine_hashes():
+    index = PrefixIndex(4)
+    # vLLM sends a sequence's blocks in two events, the second naming the first's hash.
+    index.apply([BlocksStored([11], None, A[:4]), BlocksStored([12], 11, A[4:])])
+    index.apply([BlocksStored([13], 11, B[4:])])
+    assert index.overlap(prefix_keys(A, 4)) == 2
+    assert index.overlap(prefix_keys(B + [1, 1, 1, 1], 4)) == 2
+    index.apply([BlocksRemoved([12, 999])])  # an unknown hash is ignored
+    assert index.overlap(prefix_keys(A, 4)) == 1
+    assert len(index) == 2
+    index.apply([AllCleared()])
+    assert len(index) == 0 and index.overlap(prefix_keys(B, 4)) == 0
+
+
+def test_a_block_whose_parent_is_unknown_is_left_out():
+    """After a lost event the index under-estimates: it never claims a cache that is not there."""
+    index = PrefixIndex(4)
+    index.apply([BlocksStored([12], 11, A[4:])])
+    assert len(index) == 0 and index.overlap(prefix_keys(A, 4)) == 0
+
+
+def test_bytes_hashes_work_as_int_hashes():
+    index = PrefixIndex(4)
+    index.apply([BlocksStored([b"\x01" * 32, b"\x02" * 32], None, A)])
+    index.apply([BlocksRemoved([b"\x02" * 32])])
+    assert index.overlap(prefix_keys(A, 4)) == 1
+
+
+def test_the_mirror_snapshot_lists_parents_first_and_the_newest_first_when_cut():
+    mirror = CacheMirror(4)
+    mirror.apply([BlocksStored([1, 2], None, A), BlocksStored([3], 1, B[4:])])
+    mirror.apply([BlocksStored([4], None, [7, 7, 7, 7])])
+    chains = mirror.chains()
+    order = [event.block_hashes[0] for event in chains]
+    assert sorted(order) == [1, 2, 3, 4] and order.index(1) < min(order.index(2), order.index(3))
+    index = PrefixIndex(4)
+    index.apply(chains)
+    assert index.overlap(prefix_keys(A, 4)) == 2 and index.overlap(prefix_keys(B, 4)) == 2
+    # Cut to about the newest block: it comes with its parents, nothing else.
+    assert [event.block_hashes[0] for event in mirror.chains(newest=1)] == [4]
+    newest_two = {event.block_hashes[0] for event in mirror.chains(newest=2)}
+    assert newest_two == {4, 3, 1}  # 3's parent 1 comes with it
+    mirror.apply([BlocksRemoved([1])])
+    assert {event.block_hashes[0] for event in mirror.chains()} == {4}  # 2, 3 unreachable
+    mirror.apply([AllCleared()])
+    assert mirror.chains() == []
+
+
+def test_vllm_batches_decode_in_the_map_and_the_array_forms():
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [7],
+        "parent_block_hash": None,
+        "token_ids": A[:4],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "kv_cache_spec_kind": "full_attention",
+    }
+    offloaded = dict(stored, medium="CPU")
+    removed = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+    payload = msgspec.msgpack.encode(
+        [1.0, [stored, offloaded, removed, {"type": "AllBlocksCleared"}], 0]
+    )
+    assert decode_batch(payload) == [
+        BlocksStored([7], None, A[:4]),
+        BlocksRemoved([7]),
+        AllCleared(),
+    ]
+    array_form = ["BlockStored", [8], 7, A[4:], 4, None, "GPU"]
+    assert decode_batch(msgspec.msgpack.encode([1.0, [array_form]])) == [
+        BlocksStored([8], 7, A[4:])
+    ]
+
+
+def test_kv_subjects():
+    subjects = Subjects("llm", "vllm", "generate")
+    assert subjects.kv("events", "w1") == "llm.vllm.kv.generate.events.w1"
+    assert subjects.kv("snapshot", "w1") == "llm.vllm.kv.generate.snapshot.w1"
+    assert subjects.kv("load") == "llm.vllm.kv.generate.load.*"
+    with pytest.raises(ValueError, match="kind"):
+        subjects.kv("other", "w1")
+    with pytest.raises(ValueError, match="instance_id"):
+        subjects.kv("events", "a.b")
