@@ -5,6 +5,7 @@ OpenAI server on the same tiny model, validation, and cancellation end to end.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -545,6 +546,33 @@ async def test_http_client_leaving_mid_stream_frees_the_engine(
     took = await wait_engine_idle(engine, worker, within=2.0)
     assert took < 2.0
     assert gauge(worker_metrics, "nats_worker_in_flight_requests") == 0
+
+
+async def test_http_client_leaving_a_non_streamed_request_frees_the_engine(
+    frontend, worker, engine, tiny_model
+) -> None:
+    """No chunk is sent while a non-streamed answer is made: only the disconnect watcher can
+    notice the client leave, and it ends the frames' wait (a cancel to the worker)."""
+    body = {
+        "model": str(tiny_model),
+        "prompt": "Hello there",
+        "max_tokens": 450,
+        "logprobs": 5,
+        "ignore_eos": True,
+    }
+    async with httpx.AsyncClient(timeout=60) as http:
+        posting = asyncio.create_task(http.post(frontend + "/completions", json=body))
+        deadline = time.monotonic() + 30
+        while worker.in_flight == 0:
+            assert time.monotonic() < deadline, "the request never reached the worker"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        assert engine.num_unfinished_requests() == 1
+        posting.cancel()  # the HTTP client gives up: its connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await posting
+    took = await wait_engine_idle(engine, worker, within=2.0)
+    assert took < 2.0
 
 
 async def test_openai_client_breaking_out_frees_the_engine(frontend, worker, engine, tiny_model):
