@@ -49,6 +49,20 @@ def system_prompt(seed: int, length: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_ID, vocab) for _ in range(length)]
 
 
+def what_router_sees(router: Any, prompt: list[int]) -> dict[str, list[int]]:
+    """Per worker, [overlap blocks, busy] as the router weighs them just before routing (for
+    the diagnosis of where chats go; reads the router's views, changes nothing)."""
+    from worker.client.prefix_index import prefix_keys
+
+    seen = {}
+    for name, view in router.workers.items():
+        overlap = 0
+        if router.mode == "kv" and view.index is not None and not view.syncing:
+            overlap = view.index.overlap(prefix_keys(prompt, view.index.block_size))
+        seen[name] = [overlap, view.busy]
+    return seen
+
+
 async def conversation(
     nc: Any,
     router: Any,
@@ -67,7 +81,9 @@ async def conversation(
         history += [rng.randrange(FIRST_ID, args.vocab) for _ in range(rng.randint(40, 60))]
         prompt = [1, *system, *history]
         target, instance, overlap = subject, None, 0
+        seen: dict[str, list[int]] = {}
         if router is not None:
+            seen = what_router_sees(router, prompt)
             route = router.route(prompt)
             target, instance, overlap = route.subject, route.instance_id, route.overlap_blocks
         request = make_request(f"s{args.seed}-c{index}-t{turn}", prompt, max_tokens=args.max_tokens)
@@ -87,6 +103,7 @@ async def conversation(
                 "ttft_s": ttft,
                 "instance": instance,
                 "overlap_blocks": overlap,
+                "seen": seen,
             }
         )
 
@@ -154,8 +171,10 @@ def counters(ports: dict[str, int]) -> dict[str, dict[str, float]]:
     return out
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(bind: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["VLLM_LOGGING_LEVEL"] = "WARNING"
@@ -164,7 +183,13 @@ def worker_env() -> dict[str, str]:
 
 
 def start_worker(
-    args: argparse.Namespace, nats_url: str, model: Path, instance: str, port: int, log: Path
+    args: argparse.Namespace,
+    nats_url: str,
+    model: Path,
+    instance: str,
+    port: int,
+    log: Path,
+    bind: str | None,
 ) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
@@ -193,7 +218,7 @@ def start_worker(
         command,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
-        env=worker_env(),
+        env=worker_env(bind),
         cwd=ROOT,
         start_new_session=True,
     )
@@ -282,6 +307,7 @@ def summarize(
         ),
         "router_workers": answer["router_workers"],
         "resyncs": answer["resyncs"],
+        "records": records,
     }
 
 
@@ -408,8 +434,12 @@ def parent(args: argparse.Namespace) -> None:
     logs_dir.mkdir(parents=True, exist_ok=True)
     ports = {name: args.metrics_port + i for i, name in enumerate(INSTANCES)}
     logs = {name: logs_dir / f"p10_{name}.log" for name in INSTANCES}
+    # vLLM's "auto" OpenMP binding reserves one core and pins every engine's compute to the
+    # same other core: two engines on this 2-core host then share one core. "split" gives
+    # each worker a core of its own (VLLM_CPU_OMP_THREADS_BIND), as two GPUs would be.
+    binds = {name: (str(i) if args.bind == "split" else None) for i, name in enumerate(INSTANCES)}
     procs = {
-        name: start_worker(args, server.url, model, name, ports[name], logs[name])
+        name: start_worker(args, server.url, model, name, ports[name], logs[name], binds[name])
         for name in INSTANCES
     }
     runs: list[dict[str, Any]] = []
@@ -492,6 +522,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--load-weight", type=float, default=1.0)
+    parser.add_argument(
+        "--bind",
+        choices=("split", "auto"),
+        default="split",
+        help="split: w1 on core 0, w2 on core 1; auto: vLLM's default binding",
+    )
     parser.add_argument("--worker-flags", default="", help="more engine/worker flags, one string")
     parser.add_argument("--metrics-port", type=int, default=9410)
     parser.add_argument("--seed", type=int, default=1000)
