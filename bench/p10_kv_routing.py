@@ -78,6 +78,9 @@ async def conversation(
     rng = random.Random(f"chat-{args.seed}-{index}")
     history: list[int] = []
     for turn in range(args.turns):
+        if turn and args.think_ms:
+            # The user's think time: chats that start together do not stay in lockstep.
+            await asyncio.sleep(rng.uniform(0, args.think_ms) / 1000)
         history += [rng.randrange(FIRST_ID, args.vocab) for _ in range(rng.randint(40, 60))]
         prompt = [1, *system, *history]
         target, instance, overlap = subject, None, 0
@@ -261,6 +264,8 @@ def load_process(args: argparse.Namespace, nats_url: str, mode: str, seed: int) 
         str(args.vocab),
         "--load-weight",
         str(args.load_weight),
+        "--think-ms",
+        str(args.think_ms),
     ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=worker_env())
     if done.returncode != 0:
@@ -522,6 +527,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--load-weight", type=float, default=1.0)
+    parser.add_argument(
+        "--think-ms", type=float, default=0.0, help="a pause before each later turn, 0..N ms"
+    )
     parser.add_argument(
         "--bind",
         choices=("split", "auto"),
