@@ -14,8 +14,12 @@ both workers' /metrics. The parent starts nats-server and the two workers once, 
 run from a load process of its own (`--run MODE`: the router and the chats), which answers with
 JSON on its last stdout line. Repeats alternate: repeat r runs the modes rotated by r.
 
+The JSON (bench/out/p10_kv_routing.json) keeps every request's record, with `seen`: each
+worker's [overlap blocks, busy] as the router weighed them just before routing it.
+
     python -m bench.p10_kv_routing [--repeats 3] [--hidden 512 --layers 4] [--block-size 32]
-        [--load-weight 1.0] [--modes one,queue,least-busy,kv] [--probe]
+        [--load-weight 1.0] [--think-ms 0] [--bind split|auto] [--modes one,queue,least-busy,kv]
+        [--probe] [--out NAME]
 """
 
 from __future__ import annotations
@@ -49,6 +53,18 @@ def system_prompt(seed: int, length: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_ID, vocab) for _ in range(length)]
 
 
+def make_request(request_id: str, token_ids: list[int], max_tokens: int) -> Any:
+    """Greedy, ignore_eos, no logprobs: every turn generates exactly `max_tokens` tokens."""
+    from messages.request import GenerateRequest, SamplingOptions, StopConditions
+
+    return GenerateRequest(
+        request_id=request_id,
+        token_ids=token_ids,
+        sampling_options=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
 def what_router_sees(router: Any, prompt: list[int]) -> dict[str, list[int]]:
     """Per worker, [overlap blocks, busy] as the router weighs them just before routing (for
     the diagnosis of where chats go; reads the router's views, changes nothing)."""
@@ -72,7 +88,6 @@ async def conversation(
     index: int,
     records: list[dict[str, Any]],
 ) -> None:
-    from tests.helpers import make_request
     from worker.client.library import generate
 
     rng = random.Random(f"chat-{args.seed}-{index}")
@@ -321,7 +336,6 @@ async def probe(nats_url: str, vocab: int) -> dict[str, float]:
     import nats
 
     from messages.subjects import Subjects
-    from tests.helpers import make_request
     from worker.client.library import generate
 
     nc = await nats.connect(nats_url)
