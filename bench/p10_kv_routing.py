@@ -103,15 +103,23 @@ async def conversation(
         if router is not None:
             seen = what_router_sees(router, prompt)
             route = router.route(prompt)
-            target, instance, overlap = route.subject, route.instance_id, route.overlap_blocks
+            target, instance, overlap = (
+                route.subject or subject,
+                route.instance_id,
+                route.overlap_blocks,
+            )
         request = make_request(f"s{args.seed}-c{index}-t{turn}", prompt, max_tokens=args.max_tokens)
         sent = time.perf_counter()
         ttft = None
         output: list[int] = []
-        async for frame in generate(nc, request, subject=target, timeout=600):
-            if frame.token_ids and ttft is None:
-                ttft = time.perf_counter() - sent
-            output += frame.token_ids
+        try:
+            async for frame in generate(nc, request, subject=target, timeout=600):
+                if frame.token_ids and ttft is None:
+                    ttft = time.perf_counter() - sent
+                output += frame.token_ids
+        finally:
+            if router is not None:
+                router.release(route)
         history += output
         records.append(
             {

@@ -77,3 +77,58 @@ async def test_the_engines_events_on_the_wire(engine, worker, client):
         assert len(event["token_ids"]) == size * len(event["block_hashes"])
     finally:
         await events.unsubscribe()
+
+
+async def test_the_frontend_routes_by_kv_and_releases_every_route(
+    engine, worker, nats_server, tiny_model
+):
+    """The OpenAI frontend's default router: a repeated long prompt goes to the worker holding
+    it, and every request's route is released however it ended (streamed, not streamed, a
+    batch, a client that left), so the router's own load count returns to zero."""
+    import httpx
+    import nats
+
+    from tests.helpers import serving
+    from worker.frontend.app import FrontendSettings, create_app
+    from worker.frontend.tokenizer import ModelTokenizer
+
+    nc = await nats.connect(nats_server.url)
+    settings = FrontendSettings(model_names=(str(tiny_model),), subject=TEST_SUBJECTS.generate)
+    assert settings.router == "kv"
+    app = create_app(settings, ModelTokenizer.load(tiny_model), nc=nc)
+    size = block_size(engine)
+    rng = random.Random(77)
+    prompt = [rng.randrange(3, 1000) for _ in range(size + 5)]
+    try:
+        async with serving(app) as base, httpx.AsyncClient(timeout=60) as http:
+            router = app.state.router
+            me = worker.config.instance_id
+            await until(lambda: me in router.workers and router.workers[me].load is not None)
+            url = base + "/v1/completions"
+            common = {"model": str(tiny_model), "max_tokens": 4}
+            answer = await http.post(url, json={**common, "prompt": prompt})
+            assert answer.status_code == 200
+            view = router.workers[me]
+            await until(lambda: view.index.overlap(prefix_keys(prompt, size)) == 1)
+            assert view.mine == 0
+            streamed = {**common, "prompt": prompt, "stream": True}
+            async with http.stream("POST", url, json=streamed) as stream:
+                assert stream.status_code == 200
+                assert "data: [DONE]" in [line async for line in stream.aiter_lines()]
+            batch = await http.post(url, json={**common, "prompt": [prompt, prompt[:7]]})
+            assert batch.status_code == 200 and len(batch.json()["choices"]) == 2
+            leaving = {
+                **common,
+                "prompt": prompt,
+                "stream": True,
+                "max_tokens": 400,
+                "ignore_eos": True,
+            }
+            async with http.stream("POST", url, json=leaving) as stream:
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+            await until(lambda: router.workers[me].mine == 0)
+            assert all(view.mine == 0 for view in router.workers.values())
+    finally:
+        await nc.close()

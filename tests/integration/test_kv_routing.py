@@ -291,3 +291,46 @@ async def test_the_comparison_modes(nats_server, mode):
         finally:
             await router.stop()
             await nc.close()
+
+
+async def test_busy_counts_this_routers_requests_until_released(nats_server):
+    """The load term: this router's own requests exactly (route → release), plus the worker's
+    others as of its last report; a report does not forget requests still running."""
+    subjects = Subjects("kvbusy", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        await start("w1")
+        nc = await nats.connect(nats_server.url)
+        other = await nats.connect(nats_server.url)
+        router = KvRouter(nc, subjects)
+        try:
+            await router.start()
+            await until(lambda: "w1" in router.workers and router.workers["w1"].load is not None)
+            view = router.workers["w1"]
+            routes = [router.route(CONVERSATION_A) for _ in range(3)]
+            assert view.busy == 3 and view.mine == 3
+            sent = [
+                asyncio.create_task(
+                    serve_request(
+                        nc, r.subject, make_request(f"mine-{i}", CONVERSATION_A, max_tokens=60)
+                    )
+                )
+                for i, r in enumerate(routes)
+            ]
+            await asyncio.sleep(0.5)  # reports come and go: the three are counted once
+            assert view.load is not None and view.load.in_flight == 3
+            assert (view.mine, view.others, view.busy) == (3, 0, 3)
+            # Another publisher's request shows up as the worker's others.
+            long = make_request("other-long", CONVERSATION_B, max_tokens=60)
+            running = asyncio.create_task(serve_request(other, subjects.instance("w1"), long))
+            await until(lambda: view.others == 1)
+            assert view.busy == 4
+            await asyncio.gather(running, *sent)
+            for route in routes:
+                router.release(route)
+            router.release(routes[0])  # one release too many changes nothing
+            await until(lambda: view.others == 0)
+            assert (view.mine, view.busy) == (0, 0)
+        finally:
+            await router.stop()
+            await nc.close()
+            await other.close()

@@ -3,17 +3,20 @@ longest prefix of its prompt, weighed against how busy each worker is.
 
 The router listens to every worker's KV events and load reports (messages/kv.py) and keeps, per
 live worker instance, a `PrefixIndex` of the blocks it holds. Per request it scores each worker
-that is neither draining nor full: `overlap_blocks - load_weight * (in_flight + sent)`, where
-`sent` counts what this router sent it since its last load report, and picks the best (ties at
-random, so routers that do not coordinate do not herd). The answer is the worker's instance
-subject, or None for the queue group when it knows no worker that may take the request.
+that is neither draining nor full: `overlap_blocks - load_weight * busy`, and picks the best
+(ties at random, so routers that do not coordinate do not herd). `busy` is exact for this
+router's own requests (counted from `route` until the caller's `release`) plus the worker's other
+requests as of its last load report; a report's count alone is a second stale, which made the
+router herd (bench/RESULTS.md, P10). The answer is the worker's instance subject, or None for the
+queue group when it knows no worker that may take the request.
 
 It stays right without coordination: a worker is learned from discovery at start and from its
 reports after; a new `epoch` (a restart) or an `AllCleared` voids its index; a batch whose `seq`
-is not the next one, or a load report naming a later `kv_seq`, means something was lost and the
-index is rebuilt from a snapshot (events arriving meanwhile are kept and applied after it); a
-worker silent for `stale_s` is forgotten. Modes: "kv" (the above), "least-busy" (the load part
-alone), "queue" (always the queue group), for comparison (bench/p10_kv_routing.py).
+is not the next one, or a batch that two load reports in a row name and that has not come (the
+last batch was lost), means something was lost and the index is rebuilt from a snapshot
+(events arriving meanwhile are kept and applied after it); a worker silent for `stale_s` is
+forgotten. Modes: "kv" (the above), "least-busy" (the load part alone), "queue" (always the
+queue group), for comparison (bench/p10_kv_routing.py).
 """
 
 from __future__ import annotations
@@ -63,12 +66,17 @@ class WorkerView:
     """The last event batch applied to `index`."""
     syncing: bool = False
     buffered: list[KvEventBatch] = field(default_factory=list)
-    sent: int = 0
-    """Requests this router sent it since its last load report."""
+    behind: int = -1
+    """A batch a load report named that was not applied then: resync if the next report finds
+    it still missing (a report can be handled before the batch, which came first on the wire)."""
+    mine: int = 0
+    """This router's requests on it that have not ended (`route` to `release`)."""
+    others: int = 0
+    """The rest of its in-flight requests as of its last load report (other publishers')."""
 
     @property
     def busy(self) -> int:
-        return (self.load.in_flight if self.load else 0) + self.sent
+        return self.mine + self.others
 
     def may_take(self) -> bool:
         load = self.load
@@ -169,8 +177,15 @@ class KvRouter:
             elif score == best_score:
                 best.append((view, overlap))
         view, overlap = self._rng.choice(best)
-        view.sent += 1
+        view.mine += 1
         return Route(self.subjects.instance(view.instance_id), view.instance_id, overlap)
+
+    def release(self, route: Route) -> None:
+        """The request `route` sent has ended (its last frame, an error, or abandoned): call it
+        once per routed request, so the load this router counts is exact."""
+        view = self.workers.get(route.instance_id) if route.instance_id else None
+        if view is not None and view.mine > 0:
+            view.mine -= 1
 
     # --- what the workers say ------------------------------------------------------------
 
@@ -194,15 +209,21 @@ class KvRouter:
         view = self._view(report.instance_id, report.epoch)
         view.load = report
         view.last_heard = time.monotonic()
-        view.sent = 0
-        if self.mode == "kv" and not view.syncing and report.kv_seq > view.seq:
+        # Its in-flight count includes this router's requests that reached it.
+        view.others = max(0, report.in_flight - view.mine)
+        if self.mode != "kv" or view.syncing:
+            return
+        if view.seq < view.behind:
             log.info(
                 "router: worker %s published batch %d, last seen %d: resync",
                 view.instance_id,
-                report.kv_seq,
+                view.behind,
                 view.seq,
             )
+            view.behind = -1
             self._resync(view)
+        elif report.kv_seq > view.seq:
+            view.behind = report.kv_seq
 
     async def _on_events(self, msg: Msg) -> None:
         if self.mode != "kv":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -218,19 +219,32 @@ async def _until_disconnected(
 
 
 class FrameSource:
-    """One request's frames with its first frame already read (see the module's invariants)."""
+    """One request's frames with its first frame already read (see the module's invariants).
+    `on_close`: called once when it is closed (the router's `release` of its route)."""
 
-    def __init__(self, frames: AsyncGenerator[ResponseFrame, None], first: ResponseFrame) -> None:
+    def __init__(
+        self,
+        frames: AsyncGenerator[ResponseFrame, None],
+        first: ResponseFrame | None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         self._frames = frames
         self.first = first
+        self._on_close = on_close
 
     async def all(self) -> AsyncGenerator[ResponseFrame, None]:
-        yield self.first
+        if self.first is not None:
+            yield self.first
         async for frame in self._frames:
             yield frame
 
     async def aclose(self) -> None:
-        await self._frames.aclose()
+        try:
+            await self._frames.aclose()
+        finally:
+            on_close, self._on_close = self._on_close, None
+            if on_close is not None:
+                on_close()
 
 
 class Batch:
@@ -443,6 +457,7 @@ def create_app(
             )
             await router.start()
             routers.append(router)
+            app.state.router = router  # for introspection (tests)
         try:
             yield
         finally:
@@ -500,6 +515,7 @@ def create_app(
 
     async def start(watcher: asyncio.Task[None], generate_request: GenerateRequest) -> FrameSource:
         nc = connection()
+        release: Callable[[], None] | None = None
         if settings.jetstream:
             source = jetstream_stream(
                 nc,
@@ -508,11 +524,15 @@ def create_app(
                 timeout=settings.timeout_s,
             )
         else:
-            route = routers[0].route(generate_request.token_ids) if routers else None
+            subject = settings.subject
+            if routers:
+                route = routers[0].route(generate_request.token_ids)
+                release = functools.partial(routers[0].release, route)
+                subject = route.subject or subject
             source = generate(
                 nc,
                 generate_request,
-                subject=route.subject if route and route.subject else settings.subject,
+                subject=subject,
                 timeout=settings.timeout_s,
                 retries=settings.retries,
             )
@@ -520,14 +540,16 @@ def create_app(
         try:
             first = await anext(frames)
         except StopAsyncIteration:
+            if release is not None:
+                release()
             raise OpenAIError(499, "client gone", "client_gone") from None
         except BaseException as error:
-            await frames.aclose()
+            await FrameSource(frames, None, release).aclose()
             raise _transport_error(error) from error
         if first.error:
-            await frames.aclose()
+            await FrameSource(frames, None, release).aclose()
             raise OpenAIError.from_worker(first.error.code, first.error.message)
-        return FrameSource(frames, first)
+        return FrameSource(frames, first, release)
 
     async def start_batch(request: Request, generate_requests: list[GenerateRequest]) -> Batch:
         """Every prompt's request sent at once and its first frame read; any failure is the
