@@ -10,6 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=$PWD/.venv/bin/python
 BEFORE=${BEFORE:-c3250b6}
+AFTER=${AFTER:-$PWD}
 SUBJECT=bench.synthetic.generate
 MODEL=$($PY -c "from worker.dev.tiny_model import ensure_tiny_model; print(ensure_tiny_model())")
 LOG=$(mktemp -d)
@@ -33,7 +34,7 @@ start_frontend() {  # start_frontend <tree> <port>
   until curl -sf "http://127.0.0.1:$2/v1/models" > /dev/null; do sleep 0.3; done
 }
 start_frontend "$OLD" 18101
-start_frontend "$PWD" 18102
+start_frontend "$AFTER" 18102
 for round in $(seq "${ROUNDS:-3}"); do
   sides="before after"; [ $((round % 2)) = 0 ] && sides="after before"
   for side in $sides; do

@@ -212,6 +212,9 @@ async def _until_disconnected(
             finally:
                 waiting = None
             yield frame
+            # Frames already queued are read without suspending: without this one loop pass
+            # per frame, a stream drains its backlog while new requests wait (TTFT).
+            await asyncio.sleep(0)
         log.info("HTTP client gone: cancelling its request")
     finally:
         watcher.remove_done_callback(on_gone)
