@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import msgspec
 import nats
@@ -57,6 +58,21 @@ async def fleet(
         for worker, nc in made:
             await worker.stop()
             await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def a_router(
+    url: str, subjects: Subjects, **settings: Any
+) -> AsyncIterator[tuple[NATS, KvRouter]]:
+    """A started KvRouter on a connection of its own; stopped and closed at the end."""
+    nc = await nats.connect(url)
+    router = KvRouter(nc, subjects, **settings)
+    try:
+        await router.start()
+        yield nc, router
+    finally:
+        await router.stop()
+        await nc.close()
 
 
 async def serve(nc: NATS, subject: str, tokens: list[int], request_id: str) -> None:
@@ -112,10 +128,7 @@ async def test_a_restarted_worker_is_dropped_and_rebuilt(nats_server):
     async with fleet(nats_server.url, subjects) as start:
         first = await start("w1")
         await start("w2")
-        nc = await nats.connect(nats_server.url)
-        router = KvRouter(nc, subjects, stale_s=0.6)
-        try:
-            await router.start()
+        async with a_router(nats_server.url, subjects, stale_s=0.6) as (nc, router):
             await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
             await until(lambda: cached_blocks(router, "w1") == 10)
             old_epoch = router.workers["w1"].epoch
@@ -130,19 +143,13 @@ async def test_a_restarted_worker_is_dropped_and_rebuilt(nats_server):
             await until(lambda: cached_blocks(router, "w1") == 10)
             assert router.route(CONVERSATION_B).instance_id == "w1"
             assert router.route(CONVERSATION_A).overlap_blocks == 4  # only what w1 holds now
-        finally:
-            await router.stop()
-            await nc.close()
 
 
 async def test_a_silent_worker_is_forgotten(nats_server):
     subjects = Subjects("kvsilent", "fake", "generate")
     async with fleet(nats_server.url, subjects) as start:
         worker = await start("w1")
-        nc = await nats.connect(nats_server.url)
-        router = KvRouter(nc, subjects, stale_s=0.6)
-        try:
-            await router.start()
+        async with a_router(nats_server.url, subjects, stale_s=0.6) as (nc, router):
             await until(lambda: "w1" in router.workers and router.workers["w1"].load is not None)
             assert router.route(CONVERSATION_A).instance_id == "w1"
             await worker.kv.stop()  # type: ignore[union-attr]  # as a killed worker: no reports
@@ -150,19 +157,13 @@ async def test_a_silent_worker_is_forgotten(nats_server):
             route = router.route(CONVERSATION_A)
             assert route.subject is None  # nothing known: the queue group
             assert "w1" not in router.workers
-        finally:
-            await router.stop()
-            await nc.close()
 
 
 async def test_a_lost_batch_triggers_a_resync(nats_server):
     subjects = Subjects("kvgap", "fake", "generate")
     async with fleet(nats_server.url, subjects) as start:
         worker = await start("w1")
-        nc = await nats.connect(nats_server.url)
-        router = KvRouter(nc, subjects)
-        try:
-            await router.start()
+        async with a_router(nats_server.url, subjects) as (nc, router):
             await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
             await until(lambda: cached_blocks(router, "w1") == 10)
             before = router.resyncs
@@ -188,9 +189,6 @@ async def test_a_lost_batch_triggers_a_resync(nats_server):
             await until(lambda: router.resyncs == before + 2)
             await until(lambda: cached_blocks(router, "w1") == 18)
             assert router.route(SYSTEM + list(range(700, 708))).overlap_blocks == 6
-        finally:
-            await router.stop()
-            await nc.close()
 
 
 async def test_never_routes_to_a_full_or_draining_worker(nats_server):
@@ -198,10 +196,7 @@ async def test_never_routes_to_a_full_or_draining_worker(nats_server):
     async with fleet(nats_server.url, subjects) as start:
         holder = await start("w1", max_concurrency=1)
         await start("w2")
-        nc = await nats.connect(nats_server.url)
-        router = KvRouter(nc, subjects)
-        try:
-            await router.start()
+        async with a_router(nats_server.url, subjects) as (nc, router):
             await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
             await until(lambda: cached_blocks(router, "w1") == 10)
             assert router.route(CONVERSATION_A).instance_id == "w1"
@@ -217,9 +212,6 @@ async def test_never_routes_to_a_full_or_draining_worker(nats_server):
             await drain
             await until(lambda: router.workers["w1"].load.in_flight == 0)  # type: ignore[union-attr]
             assert [router.route(CONVERSATION_A).instance_id for _ in range(5)] == ["w2"] * 5
-        finally:
-            await router.stop()
-            await nc.close()
 
 
 async def serve_request(nc: NATS, subject: str, request: object) -> None:
@@ -277,10 +269,7 @@ async def test_the_comparison_modes(nats_server, mode):
     async with fleet(nats_server.url, subjects) as start:
         await start("w1")
         await start("w2")
-        nc = await nats.connect(nats_server.url)
-        router = KvRouter(nc, subjects, mode=mode)  # type: ignore[arg-type]
-        try:
-            await router.start()
+        async with a_router(nats_server.url, subjects, mode=mode) as (nc, router):
             await serve(nc, subjects.instance("w1"), CONVERSATION_A, "a-1")
             await asyncio.sleep(0.3)
             routes = {router.route(CONVERSATION_A).instance_id for _ in range(40)}
@@ -288,9 +277,6 @@ async def test_the_comparison_modes(nats_server, mode):
                 assert routes == {None}
             else:  # by load alone: both workers, whatever they hold
                 assert routes == {"w1", "w2"}
-        finally:
-            await router.stop()
-            await nc.close()
 
 
 async def test_busy_counts_this_routers_requests_until_released(nats_server):
@@ -299,11 +285,8 @@ async def test_busy_counts_this_routers_requests_until_released(nats_server):
     subjects = Subjects("kvbusy", "fake", "generate")
     async with fleet(nats_server.url, subjects) as start:
         await start("w1")
-        nc = await nats.connect(nats_server.url)
         other = await nats.connect(nats_server.url)
-        router = KvRouter(nc, subjects)
-        try:
-            await router.start()
+        async with a_router(nats_server.url, subjects) as (nc, router):
             await until(lambda: "w1" in router.workers and router.workers["w1"].load is not None)
             view = router.workers["w1"]
             routes = [router.route(CONVERSATION_A) for _ in range(3)]
@@ -330,7 +313,4 @@ async def test_busy_counts_this_routers_requests_until_released(nats_server):
             router.release(routes[0])  # one release too many changes nothing
             await until(lambda: view.others == 0)
             assert (view.mine, view.busy) == (0, 0)
-        finally:
-            await router.stop()
-            await nc.close()
-            await other.close()
+        await other.close()

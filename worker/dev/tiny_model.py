@@ -14,6 +14,7 @@ import logging
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from worker.config import dev_cache_dir
@@ -92,7 +93,17 @@ def _train_tokenizer():  # -> tokenizers.Tokenizer
     return tok
 
 
-def build(target: Path, seed: int = 0) -> None:
+def build(
+    target: Path,
+    seed: int = 0,
+    *,
+    hidden: int = HIDDEN_SIZE,
+    layers: int = NUM_LAYERS,
+    heads: int = NUM_HEADS,
+    kv_heads: int = NUM_KV_HEADS,
+    positions: int = MAX_POSITIONS,
+) -> None:
+    """The tiny model in `target`; other shapes (a benchmark's bigger model) keep the recipe."""
     import torch
     from transformers import (
         GenerationConfig,
@@ -108,12 +119,12 @@ def build(target: Path, seed: int = 0) -> None:
     hf_tok.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
         vocab_size=tok.get_vocab_size(),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=HIDDEN_SIZE * 2,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS,
-        max_position_embeddings=MAX_POSITIONS,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
@@ -131,14 +142,19 @@ def build(target: Path, seed: int = 0) -> None:
 def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     """Path of the cached tiny model, building it first if needed (a few seconds)."""
     target = (cache_dir or default_cache_dir()) / f"tiny-llama-v{RECIPE_VERSION}"
+    return cached_build(target, build, "the tiny demo model")
+
+
+def cached_build(target: Path, make: Callable[[Path], None], what: str) -> Path:
+    """`target`, made by `make(directory)` unless a model is there already."""
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the tiny demo model in %s", target)
+    log.info("building %s in %s", what, target)
     # Build beside the target and rename: concurrent builders never see a half-written model.
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
-        build(staging)
+        make(staging)
         try:
             staging.rename(target)
         except OSError:
