@@ -117,6 +117,10 @@ async def test_a_router_started_after_the_workers_routes_from_their_snapshots(na
                 # A prompt nobody holds (beyond the shared system prompt) goes by load.
                 fresh = router.route(SYSTEM + list(range(600, 620)))
                 assert fresh.overlap_blocks == 4 and fresh.instance_id in {"w1", "w2"}
+                # A second router (another frontend) learns the same without coordinating.
+                async with a_router(nats_server.url, subjects) as (_, second):
+                    assert second.route(next_turn_a).instance_id == "w1"
+                    assert second.route(next_turn_b).instance_id == "w2"
             finally:
                 await router.stop()
         finally:
