@@ -15,13 +15,14 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from messages.kv import BATCH_DECODER, BlocksStored
+from messages.kv import BATCH_DECODER, AllCleared, BlocksStored, KvEvent
 from messages.subjects import Subjects
 from tests.helpers import make_request, until
 from worker.client import KvRouter, generate
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import FakePrefixCache, PacedFakeEngine
 from worker.nats.connection import connect
+from worker.nats.kv_publisher import KvPublisher
 from worker.nats.worker import NatsWorker
 
 BLOCK = 4
@@ -318,3 +319,37 @@ async def test_busy_counts_this_routers_requests_until_released(nats_server):
             await until(lambda: view.others == 0)
             assert (view.mine, view.busy) == (0, 0)
         await other.close()
+
+
+class FlakySource:
+    """An engine event source whose first reading fails after one batch."""
+
+    block_size = BLOCK
+
+    def __init__(self) -> None:
+        self.readings = 0
+
+    async def batches(self) -> AsyncIterator[list[KvEvent]]:
+        self.readings += 1
+        yield [BlocksStored([self.readings], None, SYSTEM[:BLOCK])]
+        if self.readings == 1:
+            raise RuntimeError("the engine's event socket broke")
+        await asyncio.Event().wait()
+
+
+async def test_a_failing_event_source_is_read_again_and_the_picture_cleared(nats_server):
+    subjects = Subjects("kvflaky", "fake", "generate")
+    nc = await nats.connect(nats_server.url)
+    events = await nc.subscribe(subjects.kv("events", "w1"))
+    engine = PacedFakeEngine(step_s=0.01)
+    publisher = KvPublisher(nc, subjects, "w1", engine, FlakySource(), lambda: (0, None, False))
+    await publisher.start()
+    try:
+        seen = [BATCH_DECODER.decode((await events.next_msg(timeout=5)).data) for _ in range(3)]
+        assert [b.seq for b in seen] == [0, 1, 2]
+        assert seen[0].events == [BlocksStored([1], None, SYSTEM[:BLOCK])]
+        assert seen[1].events == [AllCleared()]  # what the broken reading changed is unknown
+        assert seen[2].events == [BlocksStored([2], None, SYSTEM[:BLOCK])]
+    finally:
+        await publisher.stop()
+        await nc.close()

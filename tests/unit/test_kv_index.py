@@ -108,3 +108,15 @@ def test_kv_subjects():
         subjects.kv("other", "w1")
     with pytest.raises(ValueError, match="instance_id"):
         subjects.kv("events", "a.b")
+
+
+def test_an_unreadable_vllm_batch_clears_the_picture():
+    """A batch this code cannot read (a vLLM version's new shape) is not skipped silently: the
+    picture it would have changed is unknown, so it starts over."""
+    from worker.engine.kv_events import VllmKvEvents
+
+    source = VllmKvEvents("ipc:///nonexistent", None, "kv", 4)
+    assert source._take(0, b"\xc1") == [AllCleared()]  # 0xc1: never valid msgpack
+    good = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}]])
+    assert source._take(1, good) == [AllCleared()]
+    assert source._take(1, good) == []  # seen already

@@ -122,7 +122,15 @@ class VllmKvEvents:
         if gap:
             log.warning("KV events %d..%d lost: the cache picture starts over", self._seq + 1, seq)
         self._seq = seq
-        events = decode_batch(payload)
+        try:
+            events = decode_batch(payload)
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError, ValueError) as error:
+            # A batch this code cannot read (a vLLM version's new shape): the picture it would
+            # have changed is unknown, so it starts over rather than go on with holes.
+            log.warning(
+                "KV event batch %d unreadable (%r): the cache picture starts over", seq, error
+            )
+            return [AllCleared()]
         return [AllCleared(), *events] if gap else events
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]]:

@@ -144,16 +144,30 @@ class KvPublisher:
             self._snapshot_subscription = None
 
     async def _forward(self, source: KvEventSource) -> None:
+        """Until cancelled; a failing source is read again after a pause, its picture cleared
+        (routers resync), so one bad moment does not end KV routing for the worker's life."""
+        while True:
+            try:
+                await self._forward_once(source)
+            except Exception:
+                log.exception("KV events: reading the engine's events failed; again in 1 s")
+                await asyncio.sleep(1.0)
+                await self._publish([AllCleared()], source.block_size)
+
+    async def _forward_once(self, source: KvEventSource) -> None:
+        async for events in source.batches():
+            await self._publish(events, source.block_size)
+
+    async def _publish(self, events: list[KvEvent], block_size: int) -> None:
         assert self.mirror is not None
         subject = self.subjects.kv("events", self.instance_id)
-        async for events in source.batches():
-            self.mirror.apply(events)
-            self.seq += 1
-            batch = KvEventBatch(self.instance_id, self.epoch, self.seq, source.block_size, events)
-            try:
-                await self.nc.publish(subject, KV_ENCODER.encode(batch))
-            except Exception as error:  # disconnected: routers see the gap and resync
-                log.info("KV event batch %d not published: %r", self.seq, error)
+        self.mirror.apply(events)
+        self.seq += 1
+        batch = KvEventBatch(self.instance_id, self.epoch, self.seq, block_size, events)
+        try:
+            await self.nc.publish(subject, KV_ENCODER.encode(batch))
+        except Exception as error:  # disconnected: routers see the gap and resync
+            log.info("KV event batch %d not published: %r", self.seq, error)
 
     async def _on_snapshot(self, msg: Msg) -> None:
         if not msg.reply or self.mirror is None:
