@@ -353,3 +353,22 @@ async def test_a_failing_event_source_is_read_again_and_the_picture_cleared(nats
     finally:
         await publisher.stop()
         await nc.close()
+
+
+async def test_a_route_to_a_worker_gone_meanwhile_falls_back_to_the_queue_group(nats_server):
+    """A router's picture is up to a report old: a request sent to an instance nobody serves
+    any more (NATS: no responders) goes to the queue group instead of failing."""
+    subjects = Subjects("kvgone", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        await start("w1")
+        nc = await nats.connect(nats_server.url)
+        try:
+            frames = [
+                frame
+                async for frame in generate(
+                    nc, make_request("to-gone", CONVERSATION_A), subject=subjects.instance("gone")
+                )
+            ]
+            assert frames[-1].finish_reason == "length" and not frames[-1].error
+        finally:
+            await nc.close()

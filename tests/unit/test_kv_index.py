@@ -120,3 +120,37 @@ def test_an_unreadable_vllm_batch_clears_the_picture():
     good = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}]])
     assert source._take(1, good) == [AllCleared()]
     assert source._take(1, good) == []  # seen already
+
+
+async def test_a_snapshot_too_big_for_the_payload_is_cut_and_always_ends():
+    """One chain longer than max_payload alone: the cut keeps the start of the parents-first
+    order (whole chains) instead of asking for the same chain again forever."""
+    from messages.kv import SNAPSHOT_DECODER
+    from worker.nats.kv_publisher import KvPublisher
+
+    class Connection:
+        max_payload = 4096
+        sent: list[bytes] = []
+
+        async def publish(self, subject: str, data: bytes) -> None:
+            self.sent.append(data)
+
+    class Message:
+        reply = "inbox"
+
+    class Source:
+        block_size = 4
+
+    nc = Connection()
+    publisher = KvPublisher(nc, Subjects(), "w1", None, Source(), lambda: (0, None, False))  # type: ignore[arg-type]
+    assert publisher.mirror is not None
+    tokens = list(range(4000))  # one chain of 1000 blocks, ~20 KB encoded
+    publisher.mirror.apply([BlocksStored(list(range(1, 1001)), None, tokens)])
+    await publisher._on_snapshot(Message())  # type: ignore[arg-type]
+    (data,) = nc.sent
+    assert len(data) <= nc.max_payload
+    snapshot = SNAPSHOT_DECODER.decode(data)
+    assert 0 < len(snapshot.blocks) < 1000
+    index = PrefixIndex(4)
+    index.apply(snapshot.blocks)
+    assert index.overlap(prefix_keys(tokens, 4)) == len(snapshot.blocks)  # a whole prefix

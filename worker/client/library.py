@@ -219,24 +219,33 @@ async def generate(
     for attempt in range(retries + 1):
         yielded = False
         refusal: ErrorInfo | None = None
-        async with aclosing(
-            stream_frames(
-                nc,
-                target,
-                codec.encode(request),
-                codec=codec,
-                choices=request.sampling_options.n,
-                timeout=timeout,
-                request_id=request.request_id,
-                cancel_subject=cancel_subject,
-            )
-        ) as frames:
-            async for frame in frames:
-                if not yielded and frame.error and is_refusal(frame.error.code):
-                    refusal = frame.error
-                    break
-                yielded = True
-                yield frame
+        try:
+            async with aclosing(
+                stream_frames(
+                    nc,
+                    target,
+                    codec.encode(request),
+                    codec=codec,
+                    choices=request.sampling_options.n,
+                    timeout=timeout,
+                    request_id=request.request_id,
+                    cancel_subject=cancel_subject,
+                )
+            ) as frames:
+                async for frame in frames:
+                    if not yielded and frame.error and is_refusal(frame.error.code):
+                        refusal = frame.error
+                        break
+                    yielded = True
+                    yield frame
+        except RequestError as error:
+            # Nobody on the instance subject (the worker just stopped, or a router's picture is
+            # a second old): the queue group may still serve it. Nothing was sent or yielded.
+            if error.code != "no_workers" or target == base or yielded or attempt == retries:
+                raise
+            log.info("no worker on %s: request %s to the queue group", target, request.request_id)
+            target, instance_id = base, None
+            continue
         if refusal is None:
             return
         last = refusal

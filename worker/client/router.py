@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RoutingMode = Literal["kv", "least-busy", "queue"]
+MAX_SNAPSHOT_BACKOFF_S = 8.0
 ROUTING_MODES: tuple[RoutingMode, ...] = ("kv", "least-busy", "queue")
 
 
@@ -69,6 +70,9 @@ class WorkerView:
     behind: int = -1
     """A batch a load report named that was not applied then: resync if the next report finds
     it still missing (a report can be handled before the batch, which came first on the wire)."""
+    retry_at: float = 0.0
+    backoff: float = 1.0
+    """After a failed snapshot, none is asked before `retry_at`; the wait doubles per failure."""
     mine: int = 0
     """This router's requests on it that have not ended (`route` to `release`)."""
     others: int = 0
@@ -243,8 +247,8 @@ class KvRouter:
             log.info(
                 "router: worker %s batch %d after %d: resync", view.instance_id, batch.seq, view.seq
             )
-            view.buffered.append(batch)
-            self._resync(view)
+            if self._resync(view):
+                view.buffered.append(batch)
         else:
             self._apply(view, batch)
 
@@ -254,13 +258,18 @@ class KvRouter:
         view.index.apply(batch.events)
         view.seq = batch.seq
 
-    def _resync(self, view: WorkerView) -> None:
+    def _resync(self, view: WorkerView) -> bool:
+        """Starts a snapshot unless one runs, or a failed one's back-off has not passed (a worker
+        too busy to answer is not asked again at its batch rate). True if one runs now."""
         if view.syncing:
-            return
+            return True
+        if time.monotonic() < view.retry_at:
+            return False
         view.syncing = True
         task = asyncio.create_task(self._snapshot(view.instance_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
 
     async def _snapshot(self, instance_id: str, found: WorkerInstance | None = None) -> None:
         """Rebuilds one worker's index from its snapshot plus the batches that came after.
@@ -282,6 +291,8 @@ class KvRouter:
                 view.index = None
                 view.buffered.clear()
                 view.seq = max(view.seq, view.load.kv_seq if view.load else -1)
+                view.retry_at = time.monotonic() + view.backoff
+                view.backoff = min(view.backoff * 2, MAX_SNAPSHOT_BACKOFF_S)
             return
         self.resyncs += 1
         view = self._view(snapshot.instance_id, snapshot.epoch, resync=False)
@@ -296,7 +307,7 @@ class KvRouter:
             )
         index = PrefixIndex(snapshot.block_size)
         index.apply(snapshot.blocks)
-        view.index, view.seq = index, snapshot.seq
+        view.index, view.seq, view.backoff = index, snapshot.seq, 1.0
         pending, view.buffered = sorted(view.buffered, key=lambda b: b.seq), []
         view.syncing = False
         for batch in pending:

@@ -19,8 +19,10 @@ Decoding tolerates the forms vLLM has used: events as tagged maps (`{"type": "Bl
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
@@ -50,10 +52,15 @@ def configure(engine_args: Any) -> None:
     if engine_args.enable_prefix_caching is False:
         log.info("prefix caching is off: no KV events for routing")
         return
+    if (engine_args.data_parallel_size or 1) > 1:
+        # vLLM offsets each DP rank's endpoint by port, which ipc endpoints cannot take.
+        log.info("--data-parallel-size > 1: no KV events for routing (one cache per rank)")
+        return
     config = engine_args.kv_events_config
     if config is not None and config.enable_kv_cache_events:
         return  # the user's own publisher settings; subscribe() reads them
     directory = tempfile.mkdtemp(prefix="vllm-nats-kv-")
+    atexit.register(shutil.rmtree, directory, True)
     engine_args.kv_events_config = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
@@ -91,7 +98,9 @@ class VllmKvEvents:
         return cls(config.endpoint, config.replay_endpoint, config.topic, cache.block_size)
 
     async def batches(self) -> AsyncIterator[list[KvEvent]]:
-        """Every batch from now on (after the replayed ones), until cancelled."""
+        """Every batch vLLM still holds and then each new one, until cancelled. Each call reads
+        from the replay's start again (a reader after a failure rebuilds the whole picture)."""
+        self._seq = -1
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         sub.connect(self._endpoint)

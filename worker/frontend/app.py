@@ -173,7 +173,9 @@ async def _watch_disconnect(request: Request) -> None:
 
 
 async def _until_disconnected(
-    watcher: asyncio.Task[None], frames: AsyncGenerator[ResponseFrame, None]
+    watcher: asyncio.Task[None],
+    frames: AsyncGenerator[ResponseFrame, None],
+    on_end: Callable[[], None] | None = None,
 ) -> AsyncGenerator[ResponseFrame, None]:
     """`frames`, stopped (and so cancelled on the worker) as soon as `watcher` (the HTTP
     request's one `_watch_disconnect`, shared by a batch's prompts) ends. Polling is needed: a
@@ -218,36 +220,29 @@ async def _until_disconnected(
         log.info("HTTP client gone: cancelling its request")
     finally:
         watcher.remove_done_callback(on_gone)
-        await frames.aclose()
+        try:
+            await frames.aclose()
+        finally:
+            # Here, not in a caller: this generator is closed even when its consumer never
+            # ran (a response cancelled before its first step), at the latest when collected.
+            if on_end is not None:
+                on_end()
 
 
 class FrameSource:
-    """One request's frames with its first frame already read (see the module's invariants).
-    `on_close`: called once when it is closed (the router's `release` of its route)."""
+    """One request's frames with its first frame already read (see the module's invariants)."""
 
-    def __init__(
-        self,
-        frames: AsyncGenerator[ResponseFrame, None],
-        first: ResponseFrame | None,
-        on_close: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, frames: AsyncGenerator[ResponseFrame, None], first: ResponseFrame) -> None:
         self._frames = frames
         self.first = first
-        self._on_close = on_close
 
     async def all(self) -> AsyncGenerator[ResponseFrame, None]:
-        if self.first is not None:
-            yield self.first
+        yield self.first
         async for frame in self._frames:
             yield frame
 
     async def aclose(self) -> None:
-        try:
-            await self._frames.aclose()
-        finally:
-            on_close, self._on_close = self._on_close, None
-            if on_close is not None:
-                on_close()
+        await self._frames.aclose()
 
 
 class Batch:
@@ -539,20 +534,18 @@ def create_app(
                 timeout=settings.timeout_s,
                 retries=settings.retries,
             )
-        frames = _until_disconnected(watcher, source)
+        frames = _until_disconnected(watcher, source, release)
         try:
             first = await anext(frames)
         except StopAsyncIteration:
-            if release is not None:
-                release()
             raise OpenAIError(499, "client gone", "client_gone") from None
         except BaseException as error:
-            await FrameSource(frames, None, release).aclose()
+            await frames.aclose()
             raise _transport_error(error) from error
         if first.error:
-            await FrameSource(frames, None, release).aclose()
+            await frames.aclose()
             raise OpenAIError.from_worker(first.error.code, first.error.message)
-        return FrameSource(frames, first, release)
+        return FrameSource(frames, first)
 
     async def start_batch(request: Request, generate_requests: list[GenerateRequest]) -> Batch:
         """Every prompt's request sent at once and its first frame read; any failure is the

@@ -178,7 +178,12 @@ class KvPublisher:
         limit = max(self.nc.max_payload - 1024, 1024)
         while len(data) > limit and chains:
             newest = len(chains) * limit // len(data) * 9 // 10
-            chains = mirror.chains(newest) if newest > 0 else []
+            smaller = mirror.chains(newest) if newest > 0 else []
+            if len(smaller) >= len(chains):
+                # The newest block's own chain is too long alone: keep the start of the
+                # parents-first order (still whole chains), so every pass shrinks.
+                smaller = chains[:newest]
+            chains = smaller
             data = KV_ENCODER.encode(self._snapshot(chains))
         if len(chains) < len(mirror.blocks):
             log.info("KV snapshot: %d of %d blocks fit", len(chains), len(mirror.blocks))
