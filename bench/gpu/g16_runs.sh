@@ -10,6 +10,9 @@
 #   ... PROFILE=1: also py-spy on worker process 0 during one logprobs-20 run (SIDE=worker), or on
 #   one frontend process during runs without logprobs (SIDE=stack); needs py-spy's wheel in
 #   .gpu/, carried with the call
+#   WORKER_ARGS="--stream-interval 4" TAG=-si4: more worker flags, and a tag for the label
+#   NATS=1 (SIDE=stack): then, the frontend stopped, the same worker loaded over NATS as n<N>,
+#   so one engine start measures both
 #   ROUND=r1: appended to the side's label (p8_serve4-r1.json, …), for alternating rounds that
 #   `python -m bench.p8_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
@@ -20,6 +23,8 @@ P=${P:-4}
 API=${API:-4}
 REPEATS=${REPEATS:-3}
 ROUND=${ROUND:+-$ROUND}
+TAG=${TAG:-}
+read -r -a WORKER_ARGS <<< "${WORKER_ARGS:-}"
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
@@ -42,10 +47,11 @@ wait_for() {  # wait_for <log> <pattern> <count> <pid>
 
 case "$SIDE" in
   ceiling)
-    timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.ceiling --label ceiling --repeats "$REPEATS" \
-      -- --model "$MODEL" "${ENGINE[@]}" > "$OUT/ceiling.log" 2>&1
-    echo "bench exit $?"; grep "ceiling logprobs" "$OUT/ceiling.log"
-    cp bench/out/p8_ceiling.json "$OUT/" 2>/dev/null
+    label=ceiling$ROUND
+    timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.ceiling --label "$label" --repeats "$REPEATS" \
+      -- --model "$MODEL" "${ENGINE[@]}" > "$OUT/$label.log" 2>&1
+    echo "bench exit $?"; grep "ceiling logprobs" "$OUT/$label.log"
+    cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
     ;;
   serve)
     label=serve$API$ROUND
@@ -69,9 +75,9 @@ case "$SIDE" in
     cat "$OUT/p8-$label.txt" | tail -4
     ;;
   worker)
-    label=n$N$ROUND
+    label=n$N$TAG$ROUND
     python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
-      "${ENGINE[@]}" > "$OUT/worker-$label.log" 2>&1 &
+      "${ENGINE[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
     if [ "${PROFILE:-0}" = 1 ]; then
@@ -95,9 +101,9 @@ case "$SIDE" in
     grep -E "Error|error" "$OUT/worker-$label.log" | head -5
     ;;
   stack)
-    label=stack$N$P$ROUND
+    label=stack$N$P$TAG$ROUND
     python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
-      "${ENGINE[@]}" > "$OUT/worker-$label.log" 2>&1 &
+      "${ENGINE[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
     python3 -m worker.frontend --nats-url nats://127.0.0.1:4222 --model "$MODEL" \
@@ -129,8 +135,16 @@ case "$SIDE" in
     echo "bench exit $?"
     cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
     kill -TERM $frontend; wait $frontend; echo "frontend exit $?"
-    kill -TERM $worker; wait $worker; echo "worker exit $?"
     cat "$OUT/p8-$label.txt" | tail -4
+    if [ "${NATS:-0}" = 1 ]; then
+      nats_label=n$N$TAG$ROUND
+      timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$nats_label" \
+        --repeats "$REPEATS" > "$OUT/p8-$nats_label.txt" 2>&1
+      echo "bench exit $?"
+      cp "bench/out/p8_$nats_label.json" "$OUT/" 2>/dev/null
+      cat "$OUT/p8-$nats_label.txt" | tail -4
+    fi
+    kill -TERM $worker; wait $worker; echo "worker exit $?"
     grep -E "Error|error" "$OUT/worker-$label.log" "$OUT/frontend-$label.log" | head -5
     ;;
 esac
