@@ -6,8 +6,10 @@ step. The real CPU engine, the worker started by its CLI as a user would."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from messages.codec import MSGPACK
+from messages.frames import ResponseFrame
 from messages.subjects import Subjects
 from tests.helpers import (
     TEST_SUBJECTS,
@@ -68,7 +70,7 @@ async def test_stream_interval_coalesces_frames_and_keeps_logprobs_aligned(
             ):
                 check_row(row, token_id, logprob, 5, engine.table)
 
-        def flat(frames, field):
+        def flat(frames: list[ResponseFrame], field: str) -> list[Any]:
             return [v for f in frames for v in getattr(f, field)]
 
         assert flat(coalesced, "token_ids") == flat(stepwise, "token_ids")
