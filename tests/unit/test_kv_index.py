@@ -3,6 +3,9 @@ snapshot, the decoding of vLLM's event batches, and the subjects."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -154,3 +157,39 @@ async def test_a_snapshot_too_big_for_the_payload_is_cut_and_always_ends():
     index = PrefixIndex(4)
     index.apply(snapshot.blocks)
     assert index.overlap(prefix_keys(tokens, 4)) == len(snapshot.blocks)  # a whole prefix
+
+
+@pytest.mark.parametrize(
+    ("version", "topic_frame"), [("0.24", False), ("0.32", True)], ids=["vllm-0.24", "vllm-0.32"]
+)
+async def test_the_replay_reads_both_vllm_reply_shapes(
+    tmp_path: Path, version: str, topic_frame: bool
+) -> None:
+    """vLLM's replay ROUTER answers (id, b"", seq, payload) on 0.24 and (id, b"", topic, seq,
+    payload) on 0.32, each batch then an END_SEQ (-1) frame; both read as the same batches."""
+    import zmq
+    import zmq.asyncio
+
+    from worker.engine.kv_events import VllmKvEvents
+
+    endpoint = f"ipc://{tmp_path}/replay-{version}"
+    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    router.bind(endpoint)
+    batches = [(3, msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}]])), (4, b"x")]
+
+    async def serve() -> None:
+        client, _, start = await router.recv_multipart()
+        assert int.from_bytes(start, "big") == 3
+        topic = (b"kv",) if topic_frame else ()
+        for seq, payload in batches:
+            await router.send_multipart((client, b"", *topic, seq.to_bytes(8, "big"), payload))
+        end = (-1).to_bytes(8, "big", signed=True)
+        await router.send_multipart((client, b"", *((b"",) if topic_frame else ()), end, b""))
+
+    try:
+        server = asyncio.ensure_future(serve())
+        source = VllmKvEvents("ipc:///nonexistent", endpoint, "kv", 4)
+        assert await source._replay(3) == batches
+        await server
+    finally:
+        router.close(linger=0)

@@ -153,7 +153,11 @@ class VllmKvEvents:
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
-                _, _, seq_bytes, payload = frames
+                # (b"", seq, payload) on 0.24, (b"", topic, seq, payload) on 0.32: the last two
+                # frames are the batch in both.
+                if len(frames) < 3:
+                    raise ValueError(f"replay frame of {len(frames)} parts")
+                seq_bytes, payload = frames[-2:]
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == END_SEQ:
                     return found
