@@ -7,10 +7,12 @@
 #   SIDE=worker N=2 bash bench/gpu/g16_runs.sh       the worker, --worker-processes 2
 #   SIDE=stack N=4 P=4 bash bench/gpu/g16_runs.sh   the OpenAI stack: the worker (N processes)
 #       behind `python -m worker.frontend --processes P`, loaded over HTTP as vllm serve is
-#   ... PROFILE=1: also py-spy on worker process 0 during one logprobs-20 run (SIDE=worker), or on
-#   one frontend process during runs without logprobs (SIDE=stack); needs py-spy's wheel in
-#   .gpu/, carried with the call
-#   WORKER_ARGS="--stream-interval 4" TAG=-si4: more worker flags, and a tag for the label
+#   ... PROFILE=1: also py-spy during one run at PROFILE_LOGPROBS (20 for SIDE=worker, off for
+#   SIDE=stack) on worker process 0, and with SIDE=stack on one frontend process at the same
+#   time, with `top` snapshots of every process; needs py-spy's wheel in .gpu/, carried with
+#   the call
+#   WORKER_ARGS="--stream-interval 4" FRONTEND_ARGS="--router queue" TAG=-si4: more worker or
+#   frontend flags, and a tag for the label
 #   NATS=1 (SIDE=stack): then, the frontend stopped, the same worker loaded over NATS as n<N>,
 #   so one engine start measures both
 #   ROUND=r1: appended to the side's label (p8_serve4-r1.json, …), for alternating rounds that
@@ -25,6 +27,7 @@ REPEATS=${REPEATS:-3}
 ROUND=${ROUND:+-$ROUND}
 TAG=${TAG:-}
 read -r -a WORKER_ARGS <<< "${WORKER_ARGS:-}"
+read -r -a FRONTEND_ARGS <<< "${FRONTEND_ARGS:-}"
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
@@ -44,6 +47,37 @@ wait_for() {  # wait_for <log> <pattern> <count> <pid>
   done
   echo "$SIDE ready after $(( $(date +%s) - started )) s"
 }
+
+load() {  # load <label> [p8_processes args]: one bench run, its JSON kept, its table printed
+  local label=$1; shift
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" \
+    --repeats "$REPEATS" "$@" > "$OUT/p8-$label.txt" 2>&1
+  echo "bench exit $?"
+  cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
+  tail -4 "$OUT/p8-$label.txt"
+}
+
+profiled() {  # profiled <label> <pid>... -- [p8_processes args]: py-spy on each pid, 25 s at
+  # 200 Hz (raw collapsed stacks), and `top` every 5 s, during one run of 3 repeats
+  local label=$1 pid spies=() n=0; shift
+  [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
+  while [ "$1" != -- ]; do
+    timeout 120 /tmp/pyspy/bin/py-spy record --pid "$1" --rate 200 --duration 25 --format raw \
+      --output "$OUT/profile-$label-$n.txt" > "$OUT/pyspy-$label-$n.log" 2>&1 &
+    spies+=($!); n=$((n + 1)); shift
+  done
+  shift
+  top -b -d 5 -n 5 -w 200 -c | grep -E "^top|python|vllm|nats-server" > "$OUT/top-$label.txt" &
+  sleep 1
+  python3 -m bench.p8_processes --label "$label-profiled" --repeats 3 \
+    --logprobs "${PROFILE_LOGPROBS:-$1}" "${@:2}" > "$OUT/p8-$label-profiled.txt" 2>&1
+  for pid in "${spies[@]}"; do wait "$pid"; echo "py-spy exit $?"; done
+  tail -2 "$OUT/p8-$label-profiled.txt"
+}
+
+# Process 0 of a `--worker-processes`/`--processes` parent (spawned children; not Python's
+# resource tracker), or the parent itself when it has none.
+child() { local c; c=$(pgrep -f spawn_main -P "$1" | head -1); echo "${c:-$1}"; }
 
 case "$SIDE" in
   ceiling)
@@ -66,13 +100,8 @@ case "$SIDE" in
       sleep 2
     done
     echo "$label ready after $(( $(date +%s) - started )) s"
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" \
-      --repeats "$REPEATS" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" \
-      > "$OUT/p8-$label.txt" 2>&1
-    echo "bench exit $?"
-    cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
+    load "$label" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL"
     kill -TERM $server; wait $server; echo "server exit $?"
-    cat "$OUT/p8-$label.txt" | tail -4
     ;;
   worker)
     label=n$N$TAG$ROUND
@@ -80,24 +109,10 @@ case "$SIDE" in
       "${ENGINE[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
-    if [ "${PROFILE:-0}" = 1 ]; then
-      [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
-      # One logprobs-20 run under py-spy (process 0 of the worker; with N = 1 the worker itself).
-      target=$(pgrep -f "spawn_main" -P $worker | head -1); target=${target:-$worker}
-      timeout 120 /tmp/pyspy/bin/py-spy record --pid "$target" --rate 200 --duration 25 \
-        --format raw --output "$OUT/profile-$label.txt" > "$OUT/pyspy-$label.log" 2>&1 &
-      spy=$!
-      sleep 1
-      python3 -m bench.p8_processes --label "$label-profiled" --repeats 3 --logprobs 20 \
-        > "$OUT/p8-$label-profiled.txt" 2>&1
-      wait $spy; echo "py-spy exit $?"
-    fi
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" \
-      --repeats "$REPEATS" > "$OUT/p8-$label.txt" 2>&1
-    echo "bench exit $?"
-    cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
+    [ "${PROFILE:-0}" = 1 ] && profiled "$label" "$(child $worker)" -- 20
+    load "$label"
+    python3 -m bench.worker_stats
     kill -TERM $worker; wait $worker; echo "worker exit $?"
-    cat "$OUT/p8-$label.txt" | tail -4
     grep -E "Error|error" "$OUT/worker-$label.log" | head -5
     ;;
   stack)
@@ -107,7 +122,7 @@ case "$SIDE" in
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
     python3 -m worker.frontend --nats-url nats://127.0.0.1:4222 --model "$MODEL" \
-      --processes "$P" --host 127.0.0.1 --port 8000 --log-level warning \
+      --processes "$P" --host 127.0.0.1 --port 8000 --log-level warning "${FRONTEND_ARGS[@]}" \
       > "$OUT/frontend-$label.log" 2>&1 &
     frontend=$!
     until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
@@ -116,33 +131,16 @@ case "$SIDE" in
       fi
       sleep 1
     done
-    if [ "${PROFILE:-0}" = 1 ]; then
-      [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
-      # One frontend process (of P) under py-spy during runs without logprobs, where the stack
-      # misses; the load reaches it through SO_REUSEPORT like the others.
-      target=$(pgrep -f spawn_main -P $frontend | head -1)  # not the resource tracker
-      timeout 120 /tmp/pyspy/bin/py-spy record --pid "$target" --rate 200 --duration 20 \
-        --format raw --output "$OUT/profile-$label-frontend.txt" > "$OUT/pyspy-$label.log" 2>&1 &
-      spy=$!
-      sleep 1
-      python3 -m bench.p8_processes --label "$label-profiled" --repeats 3 --logprobs off \
-        --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" > "$OUT/p8-$label-profiled.txt" 2>&1
-      wait $spy; echo "py-spy exit $?"
-    fi
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" \
-      --repeats "$REPEATS" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" \
-      > "$OUT/p8-$label.txt" 2>&1
-    echo "bench exit $?"
-    cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
+    openai=(--openai-url http://127.0.0.1:8000/v1 --model "$MODEL")
+    # profile-<label>-0.txt: one frontend process (of P, reached through SO_REUSEPORT like the
+    # others); -1: the worker's process 0.
+    [ "${PROFILE:-0}" = 1 ] && profiled "$label" "$(child $frontend)" "$(child $worker)" -- off "${openai[@]}"
+    load "$label" "${openai[@]}"
+    python3 -m bench.worker_stats
     kill -TERM $frontend; wait $frontend; echo "frontend exit $?"
-    cat "$OUT/p8-$label.txt" | tail -4
     if [ "${NATS:-0}" = 1 ]; then
-      nats_label=n$N$TAG$ROUND
-      timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$nats_label" \
-        --repeats "$REPEATS" > "$OUT/p8-$nats_label.txt" 2>&1
-      echo "bench exit $?"
-      cp "bench/out/p8_$nats_label.json" "$OUT/" 2>/dev/null
-      cat "$OUT/p8-$nats_label.txt" | tail -4
+      load "n$N$TAG$ROUND"
+      python3 -m bench.worker_stats
     fi
     kill -TERM $worker; wait $worker; echo "worker exit $?"
     grep -E "Error|error" "$OUT/worker-$label.log" "$OUT/frontend-$label.log" | head -5
