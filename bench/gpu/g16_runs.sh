@@ -13,6 +13,7 @@
 #   the call
 #   WORKER_ARGS="--stream-interval 4" FRONTEND_ARGS="--router queue" TAG=-si4: more worker or
 #   frontend flags, and a tag for the label
+#   ROUTERS="kv queue" (SIDE=stack): one frontend per router mode in turn on the same worker
 #   NATS=1 (SIDE=stack): then, the frontend stopped, the same worker loaded over NATS as n<N>,
 #   so one engine start measures both
 #   ROUND=r1: appended to the side's label (p8_serve4-r1.json, …), for alternating rounds that
@@ -121,29 +122,35 @@ case "$SIDE" in
       "${ENGINE[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
-    python3 -m worker.frontend --nats-url nats://127.0.0.1:4222 --model "$MODEL" \
-      --processes "$P" --host 127.0.0.1 --port 8000 --log-level warning "${FRONTEND_ARGS[@]}" \
-      > "$OUT/frontend-$label.log" 2>&1 &
-    frontend=$!
-    until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
-      if ! kill -0 $frontend 2>/dev/null; then
-        echo "frontend did not start"; tail -30 "$OUT/frontend-$label.log"; exit 1
-      fi
-      sleep 1
+    # ROUTERS="kv queue": one frontend after the other on the same worker (one engine start),
+    # each with `--router R`, labelled stack<N><P>-<R>; unset: one frontend, label stack<N><P>.
+    for router in ${ROUTERS:-default}; do
+      flabel=$label; router_args=()
+      [ "$router" != default ] && flabel=stack$N$P$TAG-$router$ROUND && router_args=(--router "$router")
+      python3 -m worker.frontend --nats-url nats://127.0.0.1:4222 --model "$MODEL" \
+        --processes "$P" --host 127.0.0.1 --port 8000 --log-level warning "${FRONTEND_ARGS[@]}" \
+        "${router_args[@]}" > "$OUT/frontend-$flabel.log" 2>&1 &
+      frontend=$!
+      until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
+        if ! kill -0 $frontend 2>/dev/null; then
+          echo "frontend did not start"; tail -30 "$OUT/frontend-$flabel.log"; exit 1
+        fi
+        sleep 1
+      done
+      openai=(--openai-url http://127.0.0.1:8000/v1 --model "$MODEL")
+      # profile-<label>-0.txt: one frontend process (of P, reached through SO_REUSEPORT like
+      # the others); -1: the worker's process 0.
+      [ "${PROFILE:-0}" = 1 ] && profiled "$flabel" "$(child $frontend)" "$(child $worker)" -- off "${openai[@]}"
+      load "$flabel" "${openai[@]}"
+      python3 -m bench.worker_stats
+      kill -TERM $frontend; wait $frontend; echo "frontend exit $?"
     done
-    openai=(--openai-url http://127.0.0.1:8000/v1 --model "$MODEL")
-    # profile-<label>-0.txt: one frontend process (of P, reached through SO_REUSEPORT like the
-    # others); -1: the worker's process 0.
-    [ "${PROFILE:-0}" = 1 ] && profiled "$label" "$(child $frontend)" "$(child $worker)" -- off "${openai[@]}"
-    load "$label" "${openai[@]}"
-    python3 -m bench.worker_stats
-    kill -TERM $frontend; wait $frontend; echo "frontend exit $?"
     if [ "${NATS:-0}" = 1 ]; then
       load "n$N$TAG$ROUND"
       python3 -m bench.worker_stats
     fi
     kill -TERM $worker; wait $worker; echo "worker exit $?"
-    grep -E "Error|error" "$OUT/worker-$label.log" "$OUT/frontend-$label.log" | head -5
+    grep -E "Error|error" "$OUT/worker-$label.log" "$OUT"/frontend-*.log | head -5
     ;;
 esac
 pkill nats-server

@@ -14,6 +14,7 @@ import nats
 
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from worker.client import complete
+from worker.client.library import discover_workers
 from worker.frontend.tokenizer import ModelTokenizer
 
 MODEL = os.environ.get("MODEL", "/tmp/llama-1b")
@@ -77,6 +78,12 @@ async def main() -> None:
     biased.sampling_options.logit_bias = {BIASED: 100.0}
     got = (await complete(nc, biased)).choices[0]
     check("worker logit_bias +100", set(got.token_ids) == {BIASED}, got.token_ids[:5])
+    found = await discover_workers(nc, "llm.vllm.generate", window=1.0)
+    check(
+        "worker STATS answered by every process (discovery, the router's start)",
+        len(found) == int(os.environ.get("PROCESSES", "1")),
+        [w.instance_id for w in found],
+    )
     await nc.close()
 
     status, models = http("http://127.0.0.1:8000/v1/models")

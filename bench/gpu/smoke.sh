@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call after the chunk calls and bench/gpu/setup.sh: the surface on the GPU's vLLM
 # (0.24): --help, /health while starting and when ready, the periodic stats line, stop strings
-# and logit_bias through the worker and the frontend (bench/gpu/smoke.py), the stopped line.
+# and logit_bias through the worker and the frontend, discovery's STATS (bench/gpu/smoke.py), the
+# KV event replay, the stopped line.
 # --enforce-eager: no compile, so the engine starts in well under a minute.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -32,6 +33,7 @@ python3 -m bench.gpu.smoke; echo "smoke exit $?"
 sleep 3
 echo "stats lines: $(grep -c 'Avg prompt throughput' "$OUT/worker.log")"
 echo "raw-prompt warnings: $(grep -c 'Passing raw prompts' "$OUT/worker.log")"
+echo "KV event replay failures: $(grep -c 'KV event replay from' "$OUT/worker.log")"
 kill -TERM $frontend $worker; wait $worker; echo "worker exit $?"
 grep "vllm-nats-worker stopped" "$OUT/worker.log"
 grep -m3 -E "^(INFO|WARNING).*worker" "$OUT/worker.log"

@@ -295,7 +295,9 @@ class VllmEngine:
         await self._llm.abort(engine_request_id)
 
     def num_unfinished_requests(self) -> int:
-        return self._llm.get_num_unfinished_requests()
+        # AsyncLLM.get_num_unfinished_requests() came after 0.24 (which raised here, so every
+        # STATS answer failed on the GPU); the output processor it delegates to has it in both.
+        return self._llm.output_processor.get_num_unfinished_requests()
 
     def kv_events(self) -> VllmKvEvents | None:
         return VllmKvEvents.of(self._llm.vllm_config)
