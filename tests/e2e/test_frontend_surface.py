@@ -338,7 +338,7 @@ async def test_health_and_version(base) -> None:
     assert version.json() == {"version": worker.__version__}
 
 
-async def test_metrics_count_the_frontends_requests(base, tiny_model) -> None:
+async def test_metrics_count_the_frontends_requests(base, tiny_model, worker) -> None:
     await api(base).completions.create(model=str(tiny_model), prompt="Hi", max_tokens=2)
     async with httpx.AsyncClient(timeout=10) as http:
         text = (await http.get(base + "/metrics")).text
@@ -347,6 +347,17 @@ async def test_metrics_count_the_frontends_requests(base, tiny_model) -> None:
     ), text
     assert 'nats_frontend_tokens_total{kind="completion"}' in text
     assert "nats_frontend_request_duration_seconds_bucket" in text
+    # The KV router (the default) sent it to the session's worker by its instance id.
+    instance = re.escape(worker.config.instance_id)
+    assert re.search(
+        rf'^nats_frontend_routed_requests_total\{{instance="{instance}"\}} [1-9]', text, re.M
+    ), text
+    assert re.search(
+        rf'^nats_frontend_routed_overlap_blocks_total\{{instance="{instance}"\}} ', text, re.M
+    )
+    assert re.search(
+        rf'^nats_frontend_router_busy_requests\{{instance="{instance}"\}} ', text, re.M
+    )
 
 
 # --- the API key ------------------------------------------------------------------------------

@@ -296,6 +296,7 @@ async def test_busy_counts_this_routers_requests_until_released(nats_server):
             view = router.workers["w1"]
             routes = [router.route(CONVERSATION_A) for _ in range(3)]
             assert view.busy == 3 and view.mine == 3
+            assert [r.busy for r in routes] == [0, 1, 2]  # as counted when each was chosen
             sent = [
                 asyncio.create_task(
                     serve_request(

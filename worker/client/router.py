@@ -95,6 +95,8 @@ class Route:
     """The chosen worker's instance subject; None: the queue group."""
     instance_id: str | None = None
     overlap_blocks: int = 0
+    busy: int = 0
+    """The chosen worker's in-flight requests as this router counted them, this one excluded."""
 
 
 class KvRouter:
@@ -181,8 +183,9 @@ class KvRouter:
             elif score == best_score:
                 best.append((view, overlap))
         view, overlap = self._rng.choice(best)
+        busy = view.busy
         view.mine += 1
-        return Route(self.subjects.instance(view.instance_id), view.instance_id, overlap)
+        return Route(self.subjects.instance(view.instance_id), view.instance_id, overlap, busy)
 
     def release(self, route: Route) -> None:
         """The request `route` sent has ended (its last frame, an error, or abandoned): call it

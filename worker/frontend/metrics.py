@@ -60,6 +60,31 @@ class FrontendMetrics:
             registry=self.registry,
         )
 
+        # The router's picture, per worker instance ("queue": sent to the queue group): where
+        # requests went, the cached prompt blocks that drew them, and how busy the router
+        # believed the chosen worker to be. Set against each worker's own STATS, a router whose
+        # load picture is wrong shows as a skewed split at equal believed load.
+        self.routed = Counter(
+            "nats_frontend_routed_requests_total",
+            "Requests routed, by worker instance (queue: the queue group)",
+            ["instance"],
+            registry=self.registry,
+        )
+        self.routed_overlap = Counter(
+            "nats_frontend_routed_overlap_blocks_total",
+            "Cached prompt blocks the router counted for the requests it sent, by instance",
+            ["instance"],
+            registry=self.registry,
+        )
+        self.router_busy = Gauge(
+            "nats_frontend_router_busy_requests",
+            "In-flight requests the router counted on the instance it chose last (its own "
+            "exactly, others' as of the instance's last load report)",
+            ["instance"],
+            registry=self.registry,
+            multiprocess_mode="liveall",
+        )
+
     def exposition(self, multiprocess_dir: str | None) -> bytes:
         """The Prometheus text: this app's registry, or every process's summed."""
         if multiprocess_dir is None:
