@@ -13,7 +13,7 @@ import json
 
 import nats
 
-from worker.client.library import SERVICE_NAME
+from messages.subjects import SERVICE_NAME
 
 
 async def main(args: argparse.Namespace) -> None:
