@@ -77,6 +77,8 @@ class LoadReport(msgspec.Struct, frozen=True):
     stats; None where the engine does not report them (stats disabled)."""
     waiting: int | None = None
     kv_usage: float | None = None
+    engine_id: str | None = None
+    """The engine core this instance shares with others (`--worker-processes`); None: its own."""
 
     @property
     def full(self) -> bool:

@@ -115,6 +115,10 @@ class WorkerConfig:
     """Workers of one group share `subjects.generate`: each message goes to one of them."""
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Also served on `<generate subject>.<instance_id>`, for routing to this worker."""
+    engine_id: str | None = None
+    """The engine core this process shares with the worker's other `--worker-processes` (the
+    worker's own instance id); None: an engine of its own. Load reports carry it, so a router
+    knows which instances share one KV cache."""
     max_n: int = 16
     max_concurrency: int | None = None
     """Requests served at once; above it a request gets an immediate retryable `overloaded`

@@ -86,6 +86,7 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         ids = sorted(w.instance_id for w in workers)
         assert len(ids) == 2 and ids[0].endswith("-0") and ids[1].endswith("-1"), ids
         assert ids[0][:-2] == ids[1][:-2]  # one worker: one instance id, a suffix per process
+        assert {w.engine_id for w in workers} == {ids[0][:-2]}  # discovery names the one engine
         # --max-concurrency is the whole worker's: split evenly over the processes.
         assert [w.max_concurrency for w in workers] == [32, 32]
         assert len(psutil.Process(proc.pid).children()) >= 3  # engine core + 2 processes
@@ -123,6 +124,11 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
             await until(
                 lambda: all(router.workers[i].index.overlap(keys) == 2 for i in ids)  # type: ignore[union-attr]
             )
+            # Their load reports name the one engine core, so the router leaves the choice
+            # between them to the queue group: no process can hold more of the one cache.
+            engines = {router.workers[i].load.engine_id for i in ids}  # type: ignore[union-attr]
+            assert engines == {ids[0][:-2]}  # from discovery at the router's start
+            assert router.route(prompt).subject is None
         finally:
             await router.stop()
 

@@ -57,12 +57,14 @@ async def test_stream_interval_coalesces_frames_and_keeps_logprobs_aligned(
         ]
 
         sizes = [len(f.token_ids) for f in coalesced]
-        # First token at once (TTFT unchanged), then INTERVAL per frame; the final frame carries
-        # the rest. 25 = 1 + 6 x 4.
-        assert sizes == [1] + [INTERVAL] * 6, sizes
-        assert [len(f.token_ids) for f in stepwise] == [1] * TOKENS
+        # First token at once (TTFT unchanged), then INTERVAL per frame: 25 = 1 + 6 x 4. A worker
+        # that lags merges a request's pending outputs (both workers do, by design), so under
+        # load a frame may carry two intervals, never a part of one.
+        assert sizes[0] == 1 and sum(sizes) == TOKENS, sizes
+        assert all(size % INTERVAL == 0 for size in sizes[1:]), sizes
+        assert len(stepwise) > len(coalesced)
         assert [f.seq for f in coalesced] == list(range(len(coalesced)))
-        assert [f.finish_reason for f in coalesced] == [None] * 6 + ["length"]
+        assert [f.finish_reason for f in coalesced] == [None] * (len(coalesced) - 1) + ["length"]
         for frame in coalesced:
             assert len(frame.log_probs) == len(frame.top_logprobs) == len(frame.token_ids)
             for token_id, logprob, row in zip(

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 from messages.kv import BATCH_DECODER, AllCleared, BlocksStored, KvEvent
 from messages.subjects import Subjects
 from tests.helpers import make_request, until
-from worker.client import KvRouter, generate
+from worker.client import KvRouter, Route, generate
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import FakePrefixCache, PacedFakeEngine
 from worker.nats.connection import connect
@@ -150,6 +150,26 @@ async def test_a_restarted_worker_is_dropped_and_rebuilt(nats_server):
             assert router.route(CONVERSATION_A).overlap_blocks == 4  # only what w1 holds now
 
 
+async def test_processes_of_one_engine_are_left_to_the_queue_group(nats_server):
+    """Instances whose load reports name one engine core (`--worker-processes`) hold one KV
+    cache: the router sends to the queue group, cached prefix or not; a worker with an engine of
+    its own makes the choice a real one again."""
+    subjects = Subjects("kvengine", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        await start("e1-0", engine_id="e1")
+        await start("e1-1", engine_id="e1")
+        async with a_router(nats_server.url, subjects) as (nc, router):
+            await serve(nc, subjects.instance("e1-0"), CONVERSATION_A, "one-engine-a")
+            await until(lambda: cached_blocks(router, "e1-0") >= 10)
+            await until(lambda: all(v.load is not None for v in router.workers.values()))
+            assert {v.load.engine_id for v in router.workers.values()} == {"e1"}  # type: ignore[union-attr]
+            assert router.route(CONVERSATION_A) == Route(None)
+            await start("w2")
+            await until(lambda: "w2" in router.workers and router.workers["w2"].load is not None)
+            route = router.route(CONVERSATION_A)
+            assert route.instance_id == "e1-0" and route.overlap_blocks == 10
+
+
 async def test_a_silent_worker_is_forgotten(nats_server):
     subjects = Subjects("kvsilent", "fake", "generate")
     async with fleet(nats_server.url, subjects) as start:
@@ -259,7 +279,9 @@ async def test_events_on_the_wire_spell_the_contract(nats_server):
                 "running",
                 "waiting",
                 "kv_usage",
+                "engine_id",
             } <= set(report)
+            assert report["engine_id"] is None  # a worker with an engine of its own
             answer = await nc.request("kvwire.fake.kv.generate.snapshot.w1", b"", timeout=2)
             snapshot = msgspec.msgpack.decode(answer.data)
             assert snapshot["seq"] == 0 and snapshot["epoch"] == batch["epoch"]

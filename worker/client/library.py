@@ -97,6 +97,8 @@ class WorkerInstance:
     """Its instance subject (`<generate subject>.<instance_id>`)."""
     in_flight: int
     max_concurrency: int | None
+    engine_id: str | None = None
+    """The engine core it shares with other instances (`--worker-processes`); None: its own."""
 
     @property
     def has_capacity(self) -> bool:
@@ -177,6 +179,7 @@ def _instance_from_stats(data: bytes, generate_subject: str) -> WorkerInstance |
             f"{generate_subject}.{instance_id}",
             in_flight,
             None if limit == "unlimited" else int(limit),
+            stats["metadata"].get("engine_id"),
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

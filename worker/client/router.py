@@ -15,7 +15,9 @@ reports after; a new `epoch` (a restart) or an `AllCleared` voids its index; a b
 is not the next one, or a batch that two load reports in a row name and that has not come (the
 last batch was lost), means something was lost and the index is rebuilt from a snapshot
 (events arriving meanwhile are kept and applied after it); a worker silent for `stale_s` is
-forgotten. Modes: "kv" (the above), "least-busy" (the load part alone), "queue" (always the
+forgotten. When every known worker is a process of one engine core (their load reports name
+one `engine_id`: `--worker-processes`), they share one cache and the router leaves them to the
+queue group. Modes: "kv" (the above), "least-busy" (the load part alone), "queue" (always the
 queue group), for comparison (bench/p10_kv_routing.py).
 """
 
@@ -165,7 +167,7 @@ class KvRouter:
             log.info("router: worker %s went silent; forgotten", instance_id)
             del self.workers[instance_id]
         candidates = [v for v in self.workers.values() if v.may_take()]
-        if not candidates:
+        if not candidates or self._one_engine():
             return Route(None)
         keys_by_size: dict[int, list[int]] = {}
         best: list[tuple[WorkerView, int]] = []
@@ -186,6 +188,14 @@ class KvRouter:
         busy = view.busy
         view.mine += 1
         return Route(self.subjects.instance(view.instance_id), view.instance_id, overlap, busy)
+
+    def _one_engine(self) -> bool:
+        """Every known worker is a process of one engine core (`--worker-processes`): they hold
+        one KV cache, so no choice among them can hit more of it, and the queue group spreads
+        them evenly, where this router's per-process load picture did not (bench/RESULTS.md,
+        P8 sixth run: one of four processes got ~60% of the in-flight requests on the GPU)."""
+        engines = {v.load.engine_id if v.load else None for v in self.workers.values()}
+        return len(self.workers) > 1 and len(engines) == 1 and None not in engines
 
     def release(self, route: Route) -> None:
         """The request `route` sent has ended (its last frame, an error, or abandoned): call it
@@ -307,6 +317,7 @@ class KvRouter:
                 found.max_concurrency,
                 False,
                 snapshot.seq,
+                engine_id=found.engine_id,
             )
         index = PrefixIndex(snapshot.block_size)
         index.apply(snapshot.blocks)

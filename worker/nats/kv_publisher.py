@@ -109,8 +109,10 @@ class KvPublisher:
         load: Callable[[], tuple[int, int | None, bool]],
         *,
         interval_s: float = 1.0,
+        engine_id: str | None = None,
     ) -> None:
-        """`load()`: (in_flight, max_concurrency, draining) of the worker process."""
+        """`load()`: (in_flight, max_concurrency, draining) of the worker process; `engine_id`:
+        the engine core it shares with other processes (WorkerConfig.engine_id)."""
         self.nc = nc
         self.subjects = subjects
         self.instance_id = instance_id
@@ -120,6 +122,7 @@ class KvPublisher:
         self.mirror = CacheMirror(source.block_size) if source is not None else None
         self._load = load
         self.interval_s = interval_s
+        self.engine_id = engine_id
         self.seq = -1
         self._tasks: list[asyncio.Task[None]] = []
         self._snapshot_subscription: Subscription | None = None
@@ -206,6 +209,7 @@ class KvPublisher:
             engine.running if engine else None,
             engine.waiting if engine else None,
             engine.kv_usage if engine else None,
+            self.engine_id,
         )
 
     async def publish_load(self) -> None:

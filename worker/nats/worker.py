@@ -91,6 +91,7 @@ class NatsWorker(Worker):
                     self.engine.kv_events(),
                     lambda: (self.in_flight, config.max_concurrency, self.draining),
                     interval_s=config.load_interval_s,
+                    engine_id=config.engine_id,
                 )
                 await self.kv.start()
         # Cancels go to every worker (no queue group): only the one serving the request acts.
@@ -120,7 +121,9 @@ class NatsWorker(Worker):
     def _metadata(self) -> dict[str, str]:
         limits = self.limits
         limit = self.config.max_concurrency
+        engine = {"engine_id": self.config.engine_id} if self.config.engine_id else {}
         return {
+            **engine,
             "instance_id": self.config.instance_id,
             "model": limits.model,
             "engine": limits.engine,
