@@ -195,7 +195,7 @@ class KvRouter:
         them evenly, where this router's per-process load picture did not (bench/RESULTS.md,
         P8 sixth run: one of four processes got ~60% of the in-flight requests on the GPU)."""
         engines = {v.load.engine_id if v.load else None for v in self.workers.values()}
-        return len(self.workers) > 1 and len(engines) == 1 and None not in engines
+        return bool(self.workers) and len(engines) == 1 and None not in engines
 
     def release(self, route: Route) -> None:
         """The request `route` sent has ended (its last frame, an error, or abandoned): call it
