@@ -14,26 +14,21 @@ import json
 import nats
 
 from messages.subjects import SERVICE_NAME
+from worker.client.library import discovery_answers
 
 
 async def main(args: argparse.Namespace) -> None:
     nc = await nats.connect(args.nats_url)
-    inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox)
-    await nc.publish(f"$SRV.STATS.{SERVICE_NAME}", b"", reply=inbox)
     lines = []
     try:
-        while True:
-            msg = await subscription.next_msg(timeout=args.window)
-            stats = json.loads(msg.data)
+        async for data in discovery_answers(nc, f"$SRV.STATS.{SERVICE_NAME}", args.window):
+            stats = json.loads(data)
             parts = [
                 f"{e['name']} {e['num_requests']} req, "
                 f"{e['average_processing_time'] / 1e6:.0f} ms mean"
                 for e in stats.get("endpoints") or []
             ]
             lines.append(f"{stats['metadata'].get('instance_id', stats['id'])}: {'; '.join(parts)}")
-    except nats.errors.TimeoutError:
-        pass
     finally:
         await nc.close()
     print("\n".join(sorted(lines)) or "no worker answered")

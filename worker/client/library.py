@@ -111,14 +111,14 @@ async def discover_workers(
     """Workers that serve `generate_subject`, from every answer to `$SRV.STATS.<name>` that
     arrives within `window` seconds (micro services answer a discovery request each)."""
     found: list[WorkerInstance] = []
-    async for data in _answers(nc, f"$SRV.STATS.{name}", window):
+    async for data in discovery_answers(nc, f"$SRV.STATS.{name}", window):
         instance = _instance_from_stats(data, generate_subject)
         if instance is not None:
             found.append(instance)
     return found
 
 
-async def _answers(nc: NATS, subject: str, window: float) -> AsyncGenerator[bytes, None]:
+async def discovery_answers(nc: NATS, subject: str, window: float) -> AsyncGenerator[bytes, None]:
     """Every answer to one discovery request on `subject` (each micro service answers it once)
     that arrives within `window` seconds, as it arrives."""
     inbox = nc.new_inbox()
@@ -149,7 +149,7 @@ async def find_worker(
     that answers `$SRV.INFO.<name>` within `window` seconds and serves `generate_subject` (with
     `jetstream`: that subject's work queue); None when none does."""
     queue = subjects_of(generate_subject).queue if jetstream else None
-    async with aclosing(_answers(nc, f"$SRV.INFO.{name}", window)) as answers:
+    async with aclosing(discovery_answers(nc, f"$SRV.INFO.{name}", window)) as answers:
         async for data in answers:
             try:
                 info = json.loads(data)
