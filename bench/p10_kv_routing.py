@@ -66,8 +66,8 @@ def make_request(request_id: str, token_ids: list[int], max_tokens: int) -> Any:
 
 
 def what_router_sees(router: Any, prompt: list[int]) -> dict[str, list[int]]:
-    """Per worker, [overlap blocks, busy] as the router weighs them just before routing (for
-    the diagnosis of where chats go; reads the router's views, changes nothing)."""
+    """Per worker, [overlap blocks, its engine's busy] as the router weighs them just before
+    routing (for the diagnosis of where chats go; reads the router's views, changes nothing)."""
     from worker.client.prefix_index import prefix_keys
 
     seen = {}
@@ -75,7 +75,8 @@ def what_router_sees(router: Any, prompt: list[int]) -> dict[str, list[int]]:
         overlap = 0
         if router.mode == "kv" and view.index is not None and not view.syncing:
             overlap = view.index.overlap(prefix_keys(prompt, view.index.block_size))
-        seen[name] = [overlap, view.busy]
+        engine = router.engines.get(view.engine_id)
+        seen[name] = [overlap, engine.busy if engine is not None else 0]
     return seen
 
 

@@ -110,7 +110,7 @@ async def test_the_frontend_routes_by_kv_and_releases_every_route(
             assert answer.status_code == 200
             view = router.workers[me]
             await until(lambda: view.index.overlap(prefix_keys(prompt, size)) == 1)
-            assert view.mine == 0
+            assert router.engines[me].mine == 0
             streamed = {**common, "prompt": prompt, "stream": True}
             async with http.stream("POST", url, json=streamed) as stream:
                 assert stream.status_code == 200
@@ -128,7 +128,7 @@ async def test_the_frontend_routes_by_kv_and_releases_every_route(
                 async for line in stream.aiter_lines():
                     if line.startswith("data: "):
                         break
-            await until(lambda: router.workers[me].mine == 0)
-            assert all(view.mine == 0 for view in router.workers.values())
+            await until(lambda: router.engines[me].mine == 0)
+            assert all(engine.mine == 0 for engine in router.engines.values())
     finally:
         await nc.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from messages.subjects import Subjects
+from messages.subjects import SERVICE_NAME, Subjects
 from tests.helpers import (
     collect,
     get_health,
@@ -26,6 +27,7 @@ from tests.helpers import (
     until,
 )
 from worker.client import KvRouter, complete, discover_workers, generate
+from worker.client.library import discovery_answers
 from worker.client.prefix_index import prefix_keys
 
 PROMPT = [1, 300, 301, 302]
@@ -67,6 +69,18 @@ async def _start(nats_server, tiny_model, namespace: str, lines: list[str]):
         )
         ready += 1
     return proc
+
+
+async def _engine_requests(client, engine_subject: str) -> dict[str, int]:
+    """Per process (instance id): the requests its endpoint on `engine_subject` took (STATS)."""
+    counts: dict[str, int] = {}
+    async for data in discovery_answers(client, f"$SRV.STATS.{SERVICE_NAME}", 0.5):
+        stats = json.loads(data)
+        for endpoint in stats.get("endpoints") or []:
+            if endpoint["subject"] == engine_subject:
+                assert endpoint["name"] == "generate-engine"
+                counts[stats["metadata"]["instance_id"]] = endpoint["num_requests"]
+    return counts
 
 
 def _kill_group(proc) -> None:
@@ -124,11 +138,32 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
             await until(
                 lambda: all(router.workers[i].index.overlap(keys) == 2 for i in ids)  # type: ignore[union-attr]
             )
-            # Their load reports name the one engine core, so the router leaves the choice
-            # between them to the queue group: no process can hold more of the one cache.
+            # Their load reports name the one engine core, so the router routes to the engine
+            # (no process can hold more of the one cache): the subject both processes serve in
+            # a queue group of their own.
+            engine_id = ids[0][:-2]
             engines = {router.workers[i].load.engine_id for i in ids}  # type: ignore[union-attr]
-            assert engines == {ids[0][:-2]}  # from discovery at the router's start
-            assert router.route(prompt).subject is None
+            assert engines == {engine_id}  # from discovery at the router's start
+            route = router.route(prompt)
+            assert (route.subject, route.instance_id) == (subjects.instance(engine_id), engine_id)
+            assert route.overlap_blocks == 2
+            before = await _engine_requests(client, route.subject)
+            engine_served = await asyncio.gather(
+                *(
+                    complete(
+                        client,
+                        make_request(f"mp-e{i}", prompt, max_tokens=2),
+                        subject=route.subject,
+                    )
+                    for i in range(12)
+                )
+            )
+            router.release(route)
+            assert [r.choices[0].finish_reason for r in engine_served] == ["length"] * 12
+            after = await _engine_requests(client, route.subject)
+            assert sum(after.values()) - sum(before.values()) == 12
+            # NATS picks a queue member at random: both take some (all 12 on one: p = 2 / 4096).
+            assert sorted(after) == ids and all(after[i] > before.get(i, 0) for i in ids)
         finally:
             await router.stop()
 
@@ -146,7 +181,9 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         )
         samples = await asyncio.to_thread(scrape, port)
         outcome = f"model_name={tiny_model},outcome=length"
-        assert samples[f"nats_worker_requests_total{{{outcome}}}"] == 17  # and mp-kv
+        assert (
+            samples[f"nats_worker_requests_total{{{outcome}}}"] == 29
+        )  # 16 + mp-kv + 12 to the engine
 
         # A cancel (the client leaving early) reaches whichever process serves the request.
         async for frame in generate(

@@ -150,24 +150,51 @@ async def test_a_restarted_worker_is_dropped_and_rebuilt(nats_server):
             assert router.route(CONVERSATION_A).overlap_blocks == 4  # only what w1 holds now
 
 
-async def test_processes_of_one_engine_are_left_to_the_queue_group(nats_server):
+async def test_the_processes_of_one_engine_are_routed_to_as_one(nats_server):
     """Instances whose load reports name one engine core (`--worker-processes`) hold one KV
-    cache: the router sends to the queue group, cached prefix or not; a worker with an engine of
-    its own makes the choice a real one again."""
+    cache: the router scores the engine (its busy summed over the processes) and sends to the
+    engine's subject, which the processes share in a queue group of their own; a worker with an
+    engine of its own is a second choice weighed against it; a process of the engine that
+    reported itself full leaves the engine's subject for its open process."""
     subjects = Subjects("kvengine", "fake", "generate")
     async with fleet(nats_server.url, subjects) as start:
-        await start("e1-0", engine_id="e1")
-        await start("e1-1", engine_id="e1")
+        await start("e1-0", engine_id="e1", max_concurrency=1)
+        await start("e1-1", engine_id="e1", max_concurrency=1)
         async with a_router(nats_server.url, subjects) as (nc, router):
             await serve(nc, subjects.instance("e1-0"), CONVERSATION_A, "one-engine-a")
             await until(lambda: cached_blocks(router, "e1-0") >= 10)
             await until(lambda: all(v.load is not None for v in router.workers.values()))
             assert {v.load.engine_id for v in router.workers.values()} == {"e1"}  # type: ignore[union-attr]
-            assert router.route(CONVERSATION_A) == Route(None)
+            await until(lambda: router.engines["e1"].others == 0)
+            route = router.route(CONVERSATION_A)
+            assert route == Route(subjects.instance("e1"), "e1", 10, 0)
+            # The engine's subject reaches one of its processes: both serve it.
+            frames = [
+                f
+                async for f in generate(
+                    nc, make_request("to-e1", CONVERSATION_A), subject=route.subject
+                )
+            ]
+            assert frames[-1].finish_reason == "length" and not frames[-1].error
+            router.release(route)
+            await until(lambda: router.engines["e1"].others == 0)
             await start("w2")
             await until(lambda: "w2" in router.workers and router.workers["w2"].load is not None)
+            # Two requests on e1 (its limit, 1 + 1): the next goes to w2, cache or not.
+            first, second = router.route(CONVERSATION_A), router.route(CONVERSATION_A)
+            assert (first.instance_id, first.overlap_blocks, second.busy) == ("e1", 10, 1)
+            assert second.instance_id == "e1" and router.engines["e1"].busy == 2
+            assert router.route(CONVERSATION_A).instance_id == "w2"
+            for route in (first, second):
+                router.release(route)
+            # e1-0 busy with a long request and reporting itself full: e1 still has room, at
+            # e1-1 only.
+            long = make_request("long-e1", CONVERSATION_B, max_tokens=200)
+            running = asyncio.create_task(serve_request(nc, subjects.instance("e1-0"), long))
+            await until(lambda: router.workers["e1-0"].full)
             route = router.route(CONVERSATION_A)
-            assert route.instance_id == "e1-0" and route.overlap_blocks == 10
+            assert (route.subject, route.instance_id) == (subjects.instance("e1-1"), "e1")
+            await running
 
 
 async def test_a_silent_worker_is_forgotten(nats_server):
@@ -315,7 +342,7 @@ async def test_busy_counts_this_routers_requests_until_released(nats_server):
         other = await nats.connect(nats_server.url)
         async with a_router(nats_server.url, subjects) as (nc, router):
             await until(lambda: "w1" in router.workers and router.workers["w1"].load is not None)
-            view = router.workers["w1"]
+            view = router.engines["w1"]
             routes = [router.route(CONVERSATION_A) for _ in range(3)]
             assert view.busy == 3 and view.mine == 3
             assert [r.busy for r in routes] == [0, 1, 2]  # as counted when each was chosen
@@ -328,7 +355,8 @@ async def test_busy_counts_this_routers_requests_until_released(nats_server):
                 for i, r in enumerate(routes)
             ]
             await asyncio.sleep(0.5)  # reports come and go: the three are counted once
-            assert view.load is not None and view.load.in_flight == 3
+            report = router.workers["w1"].load
+            assert report is not None and report.in_flight == 3
             assert (view.mine, view.others, view.busy) == (3, 0, 3)
             # Another publisher's request shows up as the worker's others.
             long = make_request("other-long", CONVERSATION_B, max_tokens=60)

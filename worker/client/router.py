@@ -1,24 +1,28 @@
-"""KV-cache-aware routing for a publisher: send each request to the worker that already holds the
-longest prefix of its prompt, weighed against how busy each worker is.
+"""KV-cache-aware routing for a publisher: send each request to the engine that already holds the
+longest prefix of its prompt, weighed against how busy each engine is.
 
 The router listens to every worker's KV events and load reports (messages/kv.py) and keeps, per
-live worker instance, a `PrefixIndex` of the blocks it holds. Per request it scores each worker
-that is neither draining nor full: `overlap_blocks - load_weight * busy`, and picks the best
-(ties at random, so routers that do not coordinate do not herd). `busy` is exact for this
-router's own requests (counted from `route` until the caller's `release`) plus the worker's other
-requests as of its last load report; a report's count alone is a second stale, which made the
-router herd (bench/RESULTS.md, P10). The answer is the worker's instance subject, or None for the
-queue group when it knows no worker that may take the request.
+live worker instance, a `PrefixIndex` of the blocks it holds. It routes to engines, not to
+processes: the instances whose reports name one `engine_id` (the processes of a worker started
+with `--worker-processes`) share one engine core and one KV cache, so no choice among them can hit
+more of it, and choosing among them by a load picture up to a report old gave one of four ~60% of
+the in-flight requests on the GPU (bench/RESULTS.md, P8 sixth run). Per request it scores each
+engine that may take it: `overlap_blocks - load_weight * busy`, and picks the best (ties at random,
+so routers that do not coordinate do not herd). `busy` is exact for this router's own requests
+(counted from `route` until the caller's `release`) plus the engine's other requests as of its
+processes' last load reports; a report's count alone is a second stale, which made the router herd
+(P10). The answer is the engine's subject: a one-process worker's instance subject, or the subject
+every process of a multi-process worker shares in a queue group of its own (the engine id's
+instance subject), or one of its processes' when some of them are full; None, the queue group,
+when it knows no engine that may take the request.
 
 It stays right without coordination: a worker is learned from discovery at start and from its
 reports after; a new `epoch` (a restart) or an `AllCleared` voids its index; a batch whose `seq`
 is not the next one, or a batch that two load reports in a row name and that has not come (the
 last batch was lost), means something was lost and the index is rebuilt from a snapshot
 (events arriving meanwhile are kept and applied after it); a worker silent for `stale_s` is
-forgotten. When every known worker is a process of one engine core (their load reports name
-one `engine_id`: `--worker-processes`), they share one cache and the router leaves them to the
-queue group. Modes: "kv" (the above), "least-busy" (the load part alone), "queue" (always the
-queue group), for comparison (bench/p10_kv_routing.py).
+forgotten. Modes: "kv" (the above), "least-busy" (the load part alone), "queue" (always the queue
+group), for comparison (bench/p10_kv_routing.py).
 """
 
 from __future__ import annotations
@@ -75,30 +79,54 @@ class WorkerView:
     retry_at: float = 0.0
     backoff: float = 1.0
     """After a failed snapshot, none is asked before `retry_at`; the wait doubles per failure."""
+
+    @property
+    def engine_id(self) -> str:
+        """The engine core it runs on: the one its processes share, or its own."""
+        engine_id = self.load.engine_id if self.load is not None else None
+        return engine_id or self.instance_id
+
+    @property
+    def serving(self) -> bool:
+        return self.load is not None and not self.load.draining
+
+    @property
+    def full(self) -> bool:
+        """At its own limit as of its last report."""
+        load = self.load
+        return (
+            load is not None
+            and load.max_concurrency is not None
+            and (load.in_flight >= load.max_concurrency)
+        )
+
+
+@dataclass
+class EngineView:
+    """One engine core's load as this router counts it, over all its processes."""
+
+    engine_id: str
     mine: int = 0
     """This router's requests on it that have not ended (`route` to `release`)."""
     others: int = 0
-    """The rest of its in-flight requests as of its last load report (other publishers')."""
+    """The rest of its in-flight requests as of its processes' last load reports (other
+    publishers')."""
 
     @property
     def busy(self) -> int:
         return self.mine + self.others
 
-    def may_take(self) -> bool:
-        load = self.load
-        if load is None or load.draining:
-            return False
-        return load.max_concurrency is None or self.busy < load.max_concurrency
-
 
 @dataclass(frozen=True)
 class Route:
     subject: str | None
-    """The chosen worker's instance subject; None: the queue group."""
+    """The chosen engine's subject (see the module's text); None: the queue group."""
     instance_id: str | None = None
+    """The chosen engine's id: a one-process worker's instance id, a multi-process worker's
+    engine id (the id its processes' ids extend)."""
     overlap_blocks: int = 0
     busy: int = 0
-    """The chosen worker's in-flight requests as this router counted them, this one excluded."""
+    """The chosen engine's in-flight requests as this router counted them, this one excluded."""
 
 
 class KvRouter:
@@ -121,6 +149,7 @@ class KvRouter:
         self.stale_s = stale_s
         self.snapshot_timeout_s = snapshot_timeout_s
         self.workers: dict[str, WorkerView] = {}
+        self.engines: dict[str, EngineView] = {}
         self.resyncs = 0
         """Snapshots fetched after a restart, a gap or a late start (for tests and logs)."""
         self._subscriptions: list[Subscription] = []
@@ -166,43 +195,74 @@ class KvRouter:
         for instance_id in silent:
             log.info("router: worker %s went silent; forgotten", instance_id)
             del self.workers[instance_id]
-        candidates = [v for v in self.workers.values() if v.may_take()]
-        if not candidates or self._one_engine():
-            return Route(None)
+        processes: dict[str, list[WorkerView]] = {}
+        for view in self.workers.values():
+            if view.load is not None:
+                processes.setdefault(view.engine_id, []).append(view)
+        for engine_id in self.engines.keys() - processes.keys():
+            del self.engines[engine_id]
         keys_by_size: dict[int, list[int]] = {}
-        best: list[tuple[WorkerView, int]] = []
+        best: list[tuple[str, list[WorkerView], int]] = []
         best_score = float("-inf")
-        for view in candidates:
+        for engine_id, views in processes.items():
+            engine = self._engine(engine_id)
+            if not self._may_take(engine, views):
+                continue
             overlap = 0
-            if self.mode == "kv" and view.index is not None and not view.syncing:
-                size = view.index.block_size
-                if size not in keys_by_size:
-                    keys_by_size[size] = prefix_keys(token_ids, size)
-                overlap = view.index.overlap(keys_by_size[size])
-            score = overlap - self.load_weight * view.busy
+            if self.mode == "kv":
+                for view in views:
+                    if view.index is not None and not view.syncing:
+                        size = view.index.block_size
+                        if size not in keys_by_size:
+                            keys_by_size[size] = prefix_keys(token_ids, size)
+                        overlap = max(overlap, view.index.overlap(keys_by_size[size]))
+            score = overlap - self.load_weight * engine.busy
             if score > best_score:
-                best, best_score = [(view, overlap)], score
+                best, best_score = [(engine_id, views, overlap)], score
             elif score == best_score:
-                best.append((view, overlap))
-        view, overlap = self._rng.choice(best)
-        busy = view.busy
-        view.mine += 1
-        return Route(self.subjects.instance(view.instance_id), view.instance_id, overlap, busy)
+                best.append((engine_id, views, overlap))
+        if not best:
+            return Route(None)
+        engine_id, views, overlap = self._rng.choice(best)
+        engine = self.engines[engine_id]
+        busy = engine.busy
+        engine.mine += 1
+        return Route(self._subject(engine_id, views), engine_id, overlap, busy)
 
-    def _one_engine(self) -> bool:
-        """Every known worker is a process of one engine core (`--worker-processes`): they hold
-        one KV cache, so no choice among them can hit more of it, and the queue group spreads
-        them evenly, where this router's per-process load picture did not (bench/RESULTS.md,
-        P8 sixth run: one of four processes got ~60% of the in-flight requests on the GPU)."""
-        engines = {v.load.engine_id if v.load else None for v in self.workers.values()}
-        return bool(self.workers) and len(engines) == 1 and None not in engines
+    def _engine(self, engine_id: str) -> EngineView:
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            engine = self.engines[engine_id] = EngineView(engine_id)
+        return engine
+
+    @staticmethod
+    def _may_take(engine: EngineView, views: list[WorkerView]) -> bool:
+        """No process is draining (they drain together), and the engine is below the sum of its
+        processes' limits (the worker's --max-concurrency, split over them) by this router's
+        count, which its own releases keep exact between reports."""
+        if not all(view.serving for view in views):
+            return False
+        limits = [view.load.max_concurrency if view.load else None for view in views]
+        if any(limit is None for limit in limits):
+            return True
+        return engine.busy < sum(limit or 0 for limit in limits)
+
+    def _subject(self, engine_id: str, views: list[WorkerView]) -> str:
+        """The engine's own subject (its processes' queue group spreads requests as evenly as
+        the general one), unless some of its processes reported being full and others did not:
+        then the least loaded of those."""
+        open_ = [view for view in views if not view.full]
+        if len(views) == 1 or len(open_) in (0, len(views)):
+            return self.subjects.instance(engine_id)
+        chosen = min(open_, key=lambda view: view.load.in_flight if view.load else 0)
+        return self.subjects.instance(chosen.instance_id)
 
     def release(self, route: Route) -> None:
         """The request `route` sent has ended (its last frame, an error, or abandoned): call it
         once per routed request, so the load this router counts is exact."""
-        view = self.workers.get(route.instance_id) if route.instance_id else None
-        if view is not None and view.mine > 0:
-            view.mine -= 1
+        engine = self.engines.get(route.instance_id) if route.instance_id else None
+        if engine is not None and engine.mine > 0:
+            engine.mine -= 1
 
     # --- what the workers say ------------------------------------------------------------
 
@@ -226,8 +286,14 @@ class KvRouter:
         view = self._view(report.instance_id, report.epoch)
         view.load = report
         view.last_heard = time.monotonic()
-        # Its in-flight count includes this router's requests that reached it.
-        view.others = max(0, report.in_flight - view.mine)
+        # The processes' in-flight counts include this router's requests that reached them.
+        engine = self._engine(view.engine_id)
+        reported = sum(
+            v.load.in_flight
+            for v in self.workers.values()
+            if v.load is not None and v.engine_id == engine.engine_id
+        )
+        engine.others = max(0, reported - engine.mine)
         if self.mode != "kv" or view.syncing:
             return
         if view.seq < view.behind:

@@ -66,20 +66,21 @@ class FrontendMetrics:
         # load picture is wrong shows as a skewed split at equal believed load.
         self.routed = Counter(
             "nats_frontend_routed_requests_total",
-            "Requests routed, by worker instance (queue: the queue group)",
+            "Requests routed, by engine (a worker's instance id, a multi-process worker's "
+            "engine id; queue: the queue group)",
             ["instance"],
             registry=self.registry,
         )
         self.routed_overlap = Counter(
             "nats_frontend_routed_overlap_blocks_total",
-            "Cached prompt blocks the router counted for the requests it sent, by instance",
+            "Cached prompt blocks the router counted for the requests it sent, by engine",
             ["instance"],
             registry=self.registry,
         )
         self.router_busy = Gauge(
             "nats_frontend_router_busy_requests",
-            "In-flight requests the router counted on the instance it chose last (its own "
-            "exactly, others' as of the instance's last load report)",
+            "In-flight requests the router counted on the engine it chose last (its own "
+            "exactly, others' as of the engine's processes' last load reports)",
             ["instance"],
             registry=self.registry,
             multiprocess_mode="liveall",

@@ -78,6 +78,16 @@ class NatsWorker(Worker):
                     CONTENT_TYPES,
                 ),
             ]
+            if config.engine_id:
+                # Every process of one engine core: what a KV router sends to that engine.
+                endpoints.append(
+                    Endpoint(
+                        "generate-engine",
+                        subjects.instance(config.engine_id),
+                        f"{config.queue_group}-{config.engine_id}",
+                        CONTENT_TYPES,
+                    )
+                )
             self.intake = CoreIntake(
                 self, self.nc, self.liveness, [(e.subject, e.queue_group) for e in endpoints]
             )
