@@ -143,6 +143,8 @@ case "$SIDE" in
       [ "${PROFILE:-0}" = 1 ] && profiled "$flabel" "$(child $frontend)" "$(child $worker)" -- off "${openai[@]}"
       load "$flabel" "${openai[@]}"
       python3 -m bench.worker_stats
+      # The router's picture (one frontend process's, the one that answers): routed-<label>.txt
+      curl -s http://127.0.0.1:8000/metrics | grep -E "^nats_frontend_rout" > "$OUT/routed-$flabel.txt"
       kill -TERM $frontend; wait $frontend; echo "frontend exit $?"
     done
     if [ "${NATS:-0}" = 1 ]; then
