@@ -30,7 +30,7 @@ from messages.codec import MSGPACK
 from messages.frames import ResponseFrame, TopLogprob
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from messages.subjects import REPLY_HEADER, Subjects
-from worker.client import RequestEnd, frame_payloads
+from worker.client import Completion, RequestEnd, complete, frame_payloads
 from worker.engine.tokens import TokenTable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +59,11 @@ def make_request(
         stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=ignore_eos, **stop),
         output_options=OutputOptions(logprobs=logprobs, prompt_logprobs=prompt_logprobs),
     )
+
+
+async def complete_all(nc: NATS, subject: str, requests: list[GenerateRequest]) -> list[Completion]:
+    """Every request sent to `subject` at once, each read to its end, in the requests' order."""
+    return await asyncio.gather(*(complete(nc, r, subject=subject) for r in requests))
 
 
 async def raw_frames(

@@ -12,7 +12,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from messages.subjects import Subjects
-from tests.helpers import make_request
+from tests.helpers import complete_all, make_request
 from worker.client import RequestError, complete, discover_workers, generate
 from worker.nats.worker import NatsWorker
 
@@ -94,15 +94,10 @@ async def test_refusals_through_the_queue_group_are_retried(extra_worker, client
     # Batches of 8 over 2 queue members until the full one was reached (each batch misses it
     # with probability 2**-8; one batch alone made this test fail once in CI).
     while sum(stats.num_errors for stats in full.stats.values()) == 0 and sent < 64:
-        results = await asyncio.gather(
-            *(
-                complete(
-                    client,
-                    make_request(f"rq-{sent + i}", PROMPT, max_tokens=3),
-                    subject=subjects.generate,
-                )
-                for i in range(8)
-            )
+        results = await complete_all(
+            client,
+            subjects.generate,
+            [make_request(f"rq-{sent + i}", PROMPT, max_tokens=3) for i in range(8)],
         )
         sent += 8
         assert [r.choices[0].finish_reason for r in results] == ["length"] * 8

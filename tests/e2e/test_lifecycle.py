@@ -20,7 +20,7 @@ from messages.codec import MSGPACK
 from messages.request import CancelRequest
 from messages.subjects import Subjects
 from tests.fuzzing import fuzz_settings, hostile_payloads, locally_valid
-from tests.helpers import TEST_SUBJECTS, exchange, frame_maps, make_request
+from tests.helpers import TEST_SUBJECTS, complete_all, exchange, frame_maps, make_request
 from worker.client import complete, generate
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
@@ -289,15 +289,10 @@ async def test_fuzz_ran_enough_and_worker_still_serves(worker, client, engine, f
 async def test_three_workers_share_sixty_requests(extra_worker, client) -> None:
     subjects = Subjects("scale", "vllm", "generate")
     workers = [await extra_worker(subjects) for _ in range(3)]
-    results = await asyncio.gather(
-        *(
-            complete(
-                client,
-                make_request(f"scale-{i}", [1, 20 + i, 300], max_tokens=4),
-                subject=subjects.generate,
-            )
-            for i in range(60)
-        )
+    results = await complete_all(
+        client,
+        subjects.generate,
+        [make_request(f"scale-{i}", [1, 20 + i, 300], max_tokens=4) for i in range(60)],
     )
     assert all(
         r.choices[0].finish_reason == "length" and len(r.choices[0].token_ids) == 4 for r in results

@@ -17,6 +17,7 @@ import pytest
 from messages.subjects import SERVICE_NAME, Subjects
 from tests.helpers import (
     collect,
+    complete_all,
     get_health,
     last_worker_line,
     make_request,
@@ -105,15 +106,10 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         assert [w.max_concurrency for w in workers] == [32, 32]
         assert len(psutil.Process(proc.pid).children()) >= 3  # engine core + 2 processes
 
-        results = await asyncio.gather(
-            *(
-                complete(
-                    client,
-                    make_request(f"mp-{i}", PROMPT, max_tokens=8, logprobs=3),
-                    subject=subjects.generate,
-                )
-                for i in range(16)
-            )
+        results = await complete_all(
+            client,
+            subjects.generate,
+            [make_request(f"mp-{i}", PROMPT, max_tokens=8, logprobs=3) for i in range(16)],
         )
         assert [r.choices[0].finish_reason for r in results] == ["length"] * 16
         assert all(len(r.choices[0].top_logprobs) == 8 for r in results)
@@ -148,15 +144,10 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
             assert (route.subject, route.instance_id) == (subjects.instance(engine_id), engine_id)
             assert route.overlap_blocks == 2
             before = await _engine_requests(client, route.subject)
-            engine_served = await asyncio.gather(
-                *(
-                    complete(
-                        client,
-                        make_request(f"mp-e{i}", prompt, max_tokens=2),
-                        subject=route.subject,
-                    )
-                    for i in range(12)
-                )
+            engine_served = await complete_all(
+                client,
+                route.subject,
+                [make_request(f"mp-e{i}", prompt, max_tokens=2) for i in range(12)],
             )
             router.release(route)
             assert [r.choices[0].finish_reason for r in engine_served] == ["length"] * 12
@@ -181,9 +172,8 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         )
         samples = await asyncio.to_thread(scrape, port)
         outcome = f"model_name={tiny_model},outcome=length"
-        assert (
-            samples[f"nats_worker_requests_total{{{outcome}}}"] == 29
-        )  # 16 + mp-kv + 12 to the engine
+        # 16 to the queue group, mp-kv, 12 to the engine's subject
+        assert samples[f"nats_worker_requests_total{{{outcome}}}"] == 29
 
         # A cancel (the client leaving early) reaches whichever process serves the request.
         async for frame in generate(
