@@ -94,11 +94,9 @@ class WorkerView:
     def full(self) -> bool:
         """At its own limit as of its last report."""
         load = self.load
-        return (
-            load is not None
-            and load.max_concurrency is not None
-            and (load.in_flight >= load.max_concurrency)
-        )
+        if load is None or load.max_concurrency is None:
+            return False
+        return load.in_flight >= load.max_concurrency
 
 
 @dataclass
@@ -202,7 +200,7 @@ class KvRouter:
         for engine_id in self.engines.keys() - processes.keys():
             del self.engines[engine_id]
         keys_by_size: dict[int, list[int]] = {}
-        best: list[tuple[str, list[WorkerView], int]] = []
+        best: list[tuple[EngineView, list[WorkerView], int]] = []
         best_score = float("-inf")
         for engine_id, views in processes.items():
             engine = self._engine(engine_id)
@@ -218,16 +216,15 @@ class KvRouter:
                         overlap = max(overlap, view.index.overlap(keys_by_size[size]))
             score = overlap - self.load_weight * engine.busy
             if score > best_score:
-                best, best_score = [(engine_id, views, overlap)], score
+                best, best_score = [(engine, views, overlap)], score
             elif score == best_score:
-                best.append((engine_id, views, overlap))
+                best.append((engine, views, overlap))
         if not best:
             return Route(None)
-        engine_id, views, overlap = self._rng.choice(best)
-        engine = self.engines[engine_id]
+        engine, views, overlap = self._rng.choice(best)
         busy = engine.busy
         engine.mine += 1
-        return Route(self._subject(engine_id, views), engine_id, overlap, busy)
+        return Route(self._subject(engine.engine_id, views), engine.engine_id, overlap, busy)
 
     def _engine(self, engine_id: str) -> EngineView:
         engine = self.engines.get(engine_id)
