@@ -15,9 +15,28 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from bench.common import median, write_json
 from bench.load import prompts
+
+
+def llm_kwargs(engine_argv: list[str]) -> dict[str, Any]:
+    """`LLM(**…)` from engine arguments as `vllm serve` (and so the worker) takes them, parsed
+    by the worker's own parser so that both sides of P8 read the same flags the same way."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from worker.engine.args import parser as vllm_parser
+
+    engine_parser = vllm_parser(
+        "python -m bench.ceiling",
+        "vLLM engine arguments, after `--`",
+        usage="python -m bench.ceiling [options] -- <vLLM engine arguments>",
+        own_groups=(),
+    )
+    EngineArgs.add_cli_args(engine_parser)
+    engine = EngineArgs.from_cli_args(engine_parser.parse_args(engine_argv))
+    return {k: v for k, v in vars(engine).items() if not k.startswith("_")}
 
 
 def main() -> None:
@@ -35,14 +54,8 @@ def main() -> None:
     args = parser.parse_args(own)
 
     from vllm import LLM, SamplingParams
-    from vllm.engine.arg_utils import EngineArgs
 
-    from worker.engine.args import parser as vllm_parser
-
-    engine_parser = vllm_parser("ceiling", "engine arguments")
-    EngineArgs.add_cli_args(engine_parser)
-    engine = EngineArgs.from_cli_args(engine_parser.parse_args(engine_argv))
-    llm = LLM(**{k: v for k, v in vars(engine).items() if not k.startswith("_")})
+    llm = LLM(**llm_kwargs(engine_argv))
 
     # The same prompt per request as bench.load.run gives stream i's request j.
     token_prompts = prompts(256, 32, args.vocab)

@@ -1,8 +1,10 @@
 """The benchmark harness compares like with like: both sides of P1 generate the same tokens for
-the same requests, and the P3 synthetic engine's frames obey the wire contract."""
+the same requests, the P3 synthetic engine's frames obey the wire contract, and the engine
+ceiling (bench.ceiling) reads engine arguments as the worker does."""
 
 from __future__ import annotations
 
+from bench.ceiling import llm_kwargs
 from bench.load import DirectSender, NatsSender, prompts, run
 from tests.helpers import TEST_SUBJECTS
 
@@ -29,3 +31,22 @@ async def test_p1_sides_generate_the_same_number_of_tokens(engine, worker, clien
         assert sender.frames >= 8 * 12  # at least one frame per token step was read
     finally:
         await sender.stop()
+
+
+def test_ceiling_reads_engine_arguments_as_vllm_serve_does(tiny_model) -> None:
+    kwargs = llm_kwargs(
+        [
+            "--model",
+            str(tiny_model),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--max-logprobs",
+            "20",
+        ]
+    )
+    assert kwargs["model"] == str(tiny_model)
+    assert kwargs["dtype"] == "float32"
+    assert kwargs["max_model_len"] == 512
+    assert kwargs["max_logprobs"] == 20
