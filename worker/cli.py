@@ -288,6 +288,7 @@ def worker_config(args: argparse.Namespace, client_count: int = 1) -> WorkerConf
     if args.instance_id:
         config.instance_id = args.instance_id
     config.engine_id = getattr(args, "engine_id", None)  # set in a --worker-processes child
+    config.kv_event_source = getattr(args, "client_index", 0) == 0
     return config
 
 
@@ -504,6 +505,7 @@ def _worker_process(
     """One of --worker-processes (vLLM's APIServerProcessManager calls it in a fresh process)."""
     setup_logging(args.worker_log_level)
     index = client_config["client_index"]
+    args.client_index = index
     args.engine_id = args.instance_id
     args.instance_id = f"{args.instance_id}-{index}"
     sys.exit(asyncio.run(serve(args, client_config=client_config)))

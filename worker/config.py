@@ -148,6 +148,10 @@ class WorkerConfig:
     """KV-aware routing (messages/kv.py): vLLM publishes its prefix-cache events, the worker
     republishes them on NATS, answers snapshots and reports its load every load_interval_s
     (core mode; a JetStream work queue is not routed to an instance)."""
+    kv_event_source: bool = True
+    """Whether this process republishes its engine's KV events and answers snapshots: of the
+    processes of one engine core (`--worker-processes`) only process 0 does, since all would
+    read the same events; the others report their load only."""
     load_interval_s: float = 1.0
     processes: int = 1
     """Worker processes over one engine core (worker/engine/scaleout.py), each with its own NATS

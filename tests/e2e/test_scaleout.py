@@ -114,8 +114,9 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         assert [r.choices[0].finish_reason for r in results] == ["length"] * 16
         assert all(len(r.choices[0].top_logprobs) == 8 for r in results)
 
-        # KV-aware routing: each process reads the one engine core's cache events and
-        # publishes them as its own instance, so both hold what either served.
+        # KV-aware routing: process 0 alone republishes the one engine core's cache events
+        # (the others would send the same again), so the router holds one index of the engine,
+        # with what either process served.
         router = KvRouter(client, subjects)
         await router.start()
         try:
@@ -131,9 +132,9 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
             )
             assert served.choices[0].finish_reason == "length"
             keys = prefix_keys(prompt, size)
-            await until(
-                lambda: all(router.workers[i].index.overlap(keys) == 2 for i in ids)  # type: ignore[union-attr]
-            )
+            await until(lambda: router.workers[ids[0]].index.overlap(keys) == 2)  # type: ignore[union-attr]
+            assert router.workers[ids[1]].index is None
+            assert router.workers[ids[1]].load.kv_seq == -1  # type: ignore[union-attr]
             # Their load reports name the one engine core, so the router routes to the engine
             # (no process can hold more of the one cache): the subject both processes serve in
             # a queue group of their own.

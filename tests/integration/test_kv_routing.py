@@ -140,12 +140,15 @@ async def test_a_restarted_worker_is_dropped_and_rebuilt(nats_server):
             await first.stop()  # its last load report says draining: never routed to again
             await until(lambda: router.workers["w1"].load.draining)  # type: ignore[union-attr]
             assert router.route(CONVERSATION_A).instance_id == "w2"
-            # Restarted under the same instance id: a new epoch, an empty cache.
+            # Restarted under the same instance id: a new epoch, an empty cache. The old index
+            # is gone, and the new one starts from the new epoch's first batch: no snapshot.
+            snapshots = router.resyncs
             await start("w1")
             await until(lambda: router.workers["w1"].epoch != old_epoch)
-            await until(lambda: cached_blocks(router, "w1") == 0)
+            assert cached_blocks(router, "w1") == -1
             await serve(nc, subjects.instance("w1"), CONVERSATION_B, "b-1")
             await until(lambda: cached_blocks(router, "w1") == 10)
+            assert router.resyncs == snapshots
             assert router.route(CONVERSATION_B).instance_id == "w1"
             assert router.route(CONVERSATION_A).overlap_blocks == 4  # only what w1 holds now
 
@@ -159,11 +162,13 @@ async def test_the_processes_of_one_engine_are_routed_to_as_one(nats_server):
     subjects = Subjects("kvengine", "fake", "generate")
     async with fleet(nats_server.url, subjects) as start:
         await start("e1-0", engine_id="e1", max_concurrency=1)
-        await start("e1-1", engine_id="e1", max_concurrency=1)
+        # As in a real worker, only process 0 republishes the engine's events.
+        await start("e1-1", engine_id="e1", max_concurrency=1, kv_event_source=False)
         async with a_router(nats_server.url, subjects) as (nc, router):
             await serve(nc, subjects.instance("e1-0"), CONVERSATION_A, "one-engine-a")
             await until(lambda: cached_blocks(router, "e1-0") >= 10)
             await until(lambda: all(v.load is not None for v in router.workers.values()))
+            assert cached_blocks(router, "e1-1") == -1
             assert {v.load.engine_id for v in router.workers.values()} == {"e1"}  # type: ignore[union-attr]
             await until(lambda: router.engines["e1"].others == 0)
             route = router.route(CONVERSATION_A)

@@ -265,6 +265,8 @@ class KvRouter:
 
     def _view(self, instance_id: str, epoch: str, *, resync: bool = True) -> WorkerView:
         view = self.workers.get(instance_id)
+        if view is not None and not view.epoch:  # known from discovery alone until now
+            view.epoch = epoch
         if view is None or view.epoch != epoch:
             if view is not None:
                 log.info("router: worker %s restarted; its index is rebuilt", instance_id)
@@ -280,7 +282,9 @@ class KvRouter:
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             log.warning("router: ignored a bad load report on %s: %s", msg.subject, error)
             return
-        view = self._view(report.instance_id, report.epoch)
+        # A report naming no batch (kv_seq -1: a fresh worker, or a process that publishes no
+        # events) leaves nothing to snapshot.
+        view = self._view(report.instance_id, report.epoch, resync=report.kv_seq >= 0)
         view.load = report
         view.last_heard = time.monotonic()
         # The processes' in-flight counts include this router's requests that reached them.
@@ -313,19 +317,19 @@ class KvRouter:
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             log.warning("router: ignored a bad KV event batch on %s: %s", msg.subject, error)
             return
-        view = self._view(batch.instance_id, batch.epoch)
+        view = self._view(batch.instance_id, batch.epoch, resync=batch.seq > 0)
         view.last_heard = time.monotonic()
         if view.syncing:
             view.buffered.append(batch)
         elif batch.seq <= view.seq:
             return  # already applied
-        elif batch.seq != view.seq + 1 or view.index is None:
+        elif batch.seq != view.seq + 1 or (view.index is None and batch.seq > 0):
             log.info(
                 "router: worker %s batch %d after %d: resync", view.instance_id, batch.seq, view.seq
             )
             if self._resync(view):
                 view.buffered.append(batch)
-        else:
+        else:  # the next batch, or an epoch's first (batch 0), from which an index starts
             self._apply(view, batch)
 
     def _apply(self, view: WorkerView, batch: KvEventBatch) -> None:
@@ -347,6 +351,19 @@ class KvRouter:
         task.add_done_callback(self._tasks.discard)
         return True
 
+    @staticmethod
+    def _discovered_load(found: WorkerInstance, epoch: str, kv_seq: int) -> LoadReport:
+        """A worker's load as discovery saw it, until its first report."""
+        return LoadReport(
+            found.instance_id,
+            epoch,
+            found.in_flight,
+            found.max_concurrency,
+            False,
+            kv_seq,
+            engine_id=found.engine_id,
+        )
+
     async def _snapshot(self, instance_id: str, found: WorkerInstance | None = None) -> None:
         """Rebuilds one worker's index from its snapshot plus the batches that came after.
         `found`: the worker as discovery saw it (its load until its first report)."""
@@ -362,6 +379,11 @@ class KvRouter:
             log.info(
                 "router: no KV snapshot from %s (%r): routing it by load only", instance_id, error
             )
+            if view is None and found is not None:
+                # Known from discovery (a process that publishes no events, or KV events off):
+                # routed by load from now, its epoch taken from its first report.
+                view = self._view(instance_id, "", resync=False)
+                view.load = self._discovered_load(found, "", -1)
             if view is not None:
                 view.syncing = False
                 view.index = None
@@ -373,15 +395,7 @@ class KvRouter:
         self.resyncs += 1
         view = self._view(snapshot.instance_id, snapshot.epoch, resync=False)
         if view.load is None and found is not None:
-            view.load = LoadReport(
-                instance_id,
-                snapshot.epoch,
-                found.in_flight,
-                found.max_concurrency,
-                False,
-                snapshot.seq,
-                engine_id=found.engine_id,
-            )
+            view.load = self._discovered_load(found, snapshot.epoch, snapshot.seq)
         index = PrefixIndex(snapshot.block_size)
         index.apply(snapshot.blocks)
         view.index, view.seq, view.backoff = index, snapshot.seq, 1.0

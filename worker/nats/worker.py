@@ -98,7 +98,7 @@ class NatsWorker(Worker):
                     subjects,
                     config.instance_id,
                     self.engine,
-                    self.engine.kv_events(),
+                    self.engine.kv_events() if config.kv_event_source else None,
                     lambda: (self.in_flight, config.max_concurrency, self.draining),
                     interval_s=config.load_interval_s,
                     engine_id=config.engine_id,
