@@ -149,3 +149,33 @@ def test_each_default_is_shown_once_in_help() -> None:
     assert "worker's (default: random) --theirs" in text
     assert "vLLM's (default: 5)" in text
     assert text.count("(default:") == 2
+
+
+def test_routed_series_are_bounded_however_many_engines_come_and_go() -> None:
+    from worker.client.router import Route
+    from worker.frontend.metrics import MAX_ENGINE_LABELS, FrontendMetrics
+
+    metrics = FrontendMetrics()
+    # Every worker start is a new engine id: more of them than the bound, two requests each.
+    for n in range(MAX_ENGINE_LABELS + 6):
+        for _ in range(2):
+            metrics.count_route(Route(f"llm.vllm.generate.e{n}", f"e{n}", overlap_blocks=3, busy=n))
+    metrics.count_route(Route(None))
+    value = metrics.registry.get_sample_value
+    name = "nats_frontend_routed_requests_total"
+    assert value(name, {"instance": "e0"}) == 2
+    assert value(name, {"instance": f"e{MAX_ENGINE_LABELS - 1}"}) == 2
+    assert value(name, {"instance": f"e{MAX_ENGINE_LABELS}"}) is None
+    assert value(name, {"instance": "other"}) == 12
+    assert value(name, {"instance": "queue"}) == 1
+    assert value("nats_frontend_routed_overlap_blocks_total", {"instance": "other"}) == 36
+    assert (
+        value("nats_frontend_router_busy_requests", {"instance": "other"}) == MAX_ENGINE_LABELS + 5
+    )
+    labels = {
+        sample.labels["instance"]
+        for family in metrics.registry.collect()
+        if family.name == "nats_frontend_routed_requests"
+        for sample in family.samples
+    }
+    assert len(labels) == MAX_ENGINE_LABELS + 2  # the engines, "other", "queue"

@@ -527,11 +527,7 @@ def create_app(
                 route = routers[0].route(generate_request.token_ids)
                 release = functools.partial(routers[0].release, route)
                 subject = route.subject or subject
-                instance = route.instance_id or "queue"
-                metrics.routed.labels(instance).inc()
-                if route.instance_id is not None:
-                    metrics.routed_overlap.labels(instance).inc(route.overlap_blocks)
-                    metrics.router_busy.labels(instance).set(route.busy)
+                metrics.count_route(route)
             source = generate(
                 nc,
                 generate_request,

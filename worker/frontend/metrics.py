@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from worker.client.router import Route
+
 # The routes labelled by name; anything else is "other" (a label per unknown path would let
 # any client grow the series without bound).
 ROUTES = frozenset(
@@ -29,6 +31,13 @@ ROUTES = frozenset(
 
 def route_label(path: str) -> str:
     return path if path in ROUTES else "other"
+
+
+MAX_ENGINE_LABELS = 64
+"""Engines labelled by id in the routed-request series, per frontend process; later ones are
+"other". An engine id is new at every worker start, and prometheus-client's multiprocess mode
+cannot remove a series, so without a bound a long-lived frontend's series grew with every
+worker restart."""
 
 
 class FrontendMetrics:
@@ -67,7 +76,8 @@ class FrontendMetrics:
         self.routed = Counter(
             "nats_frontend_routed_requests_total",
             "Requests routed, by engine (a worker's instance id, a multi-process worker's "
-            "engine id; queue: the queue group)",
+            "engine id; queue: the queue group; other: engines past the first "
+            f"{MAX_ENGINE_LABELS} this process routed to)",
             ["instance"],
             registry=self.registry,
         )
@@ -85,6 +95,22 @@ class FrontendMetrics:
             registry=self.registry,
             multiprocess_mode="liveall",
         )
+        self._engine_labels: set[str] = set()
+
+    def count_route(self, route: Route) -> None:
+        """One routed request, under its engine's label ("queue": the queue group)."""
+        if route.instance_id is None:
+            self.routed.labels("queue").inc()
+            return
+        label = route.instance_id
+        if label not in self._engine_labels:
+            if len(self._engine_labels) >= MAX_ENGINE_LABELS:
+                label = "other"
+            else:
+                self._engine_labels.add(label)
+        self.routed.labels(label).inc()
+        self.routed_overlap.labels(label).inc(route.overlap_blocks)
+        self.router_busy.labels(label).set(route.busy)
 
     def exposition(self, multiprocess_dir: str | None) -> bytes:
         """The Prometheus text: this app's registry, or every process's summed."""
