@@ -106,7 +106,10 @@ def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -
     by side, and printed per round with its range; tok/s and TTFT are the rounds' medians."""
 
     def load(label: str, round_: str) -> dict[str, dict]:
+        # A side run once for all rounds (the ceiling, one engine start) has no round's file.
         path = OUT_DIR / f"p8_{label}-{round_}.json"
+        if not path.exists():
+            path = OUT_DIR / f"p8_{label}.json"
         return {r["logprobs"]: r for r in json.loads(path.read_text())["results"]}
 
     data = {
@@ -162,7 +165,9 @@ def main() -> None:
         "--to", help="comma-separated baseline labels for --compare (default: the first label)"
     )
     parser.add_argument(
-        "--rounds", help="with --compare: comma-separated round names (p8_<label>-<round>.json)"
+        "--rounds",
+        help="with --compare: comma-separated round names (p8_<label>-<round>.json; a side "
+        "without a round's file is read from p8_<label>.json, the same in every round)",
     )
     args = parser.parse_args()
     if args.compare:

@@ -3,6 +3,8 @@
 # stopped first): 256 streams x 2 requests x 128 tokens, 32-token prompts, logprobs off/5/20,
 # REPEATS runs each, driven from a load process of its own; JSON and logs under $OUT.
 #   SIDE=ceiling bash bench/gpu/g16_runs.sh          offline LLM.generate (bench.ceiling)
+#   ... CEILING_ARGS="--max-num-seqs 256" TAG=-seq256: more engine flags for the ceiling alone
+#       (that one: no more requests in the batch than the online sides have streams)
 #   SIDE=serve API=4 bash bench/gpu/g16_runs.sh      vllm serve --api-server-count 4
 #   SIDE=worker N=2 bash bench/gpu/g16_runs.sh       the worker, --worker-processes 2
 #   SIDE=stack N=4 P=4 bash bench/gpu/g16_runs.sh   the OpenAI stack: the worker (N processes)
@@ -29,6 +31,7 @@ ROUND=${ROUND:+-$ROUND}
 TAG=${TAG:-}
 read -r -a WORKER_ARGS <<< "${WORKER_ARGS:-}"
 read -r -a FRONTEND_ARGS <<< "${FRONTEND_ARGS:-}"
+read -r -a CEILING_ARGS <<< "${CEILING_ARGS:-}"
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
@@ -82,9 +85,9 @@ child() { local c; c=$(pgrep -f spawn_main -P "$1" | head -1); echo "${c:-$1}"; 
 
 case "$SIDE" in
   ceiling)
-    label=ceiling$ROUND
+    label=ceiling$TAG$ROUND
     timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.ceiling --label "$label" --repeats "$REPEATS" \
-      -- --model "$MODEL" "${ENGINE[@]}" > "$OUT/$label.log" 2>&1
+      -- --model "$MODEL" "${ENGINE[@]}" "${CEILING_ARGS[@]}" > "$OUT/$label.log" 2>&1
     echo "bench exit $?"; grep "ceiling logprobs" "$OUT/$label.log"
     cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
     ;;
