@@ -102,6 +102,8 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         assert len(ids) == 2 and ids[0].endswith("-0") and ids[1].endswith("-1"), ids
         assert ids[0][:-2] == ids[1][:-2]  # one worker: one instance id, a suffix per process
         assert {w.engine_id for w in workers} == {ids[0][:-2]}  # discovery names the one engine
+        # ... and the one process that answers KV snapshots (metadata kv_events)
+        assert {w.instance_id: w.kv_snapshots for w in workers} == {ids[0]: True, ids[1]: False}
         # --max-concurrency is the whole worker's: split evenly over the processes.
         assert [w.max_concurrency for w in workers] == [32, 32]
         assert len(psutil.Process(proc.pid).children()) >= 3  # engine core + 2 processes

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ from messages.kv import BATCH_DECODER, AllCleared, BlocksStored, KvEvent
 from messages.subjects import Subjects
 from tests.helpers import make_request, until
 from worker.client import KvRouter, Route, generate
+from worker.client.library import discovery_answers
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import FakePrefixCache, PacedFakeEngine
 from worker.nats.connection import connect
@@ -39,11 +42,11 @@ async def fleet(
     made: list[tuple[NatsWorker, NATS]] = []
 
     async def start(instance_id: str, **settings: object) -> NatsWorker:
+        settings.setdefault("load_interval_s", 0.2)
         config = WorkerConfig(
             nats=NatsConfig(servers=[url]),
             subjects=subjects,
             instance_id=instance_id,
-            load_interval_s=0.2,
             **settings,  # type: ignore[arg-type]
         )
         engine = PacedFakeEngine(step_s=0.01, cache=FakePrefixCache(BLOCK))
@@ -200,6 +203,33 @@ async def test_the_processes_of_one_engine_are_routed_to_as_one(nats_server):
             route = router.route(CONVERSATION_A)
             assert (route.subject, route.instance_id) == (subjects.instance("e1-1"), "e1")
             await running
+
+
+async def test_a_router_learns_from_discovery_which_process_answers_snapshots(nats_server, caplog):
+    """Of one engine's processes only process 0 publishes its events (metadata `kv_events`
+    `published`); the others `load-only`. A router started after them (no load report since
+    their first: a 30 s interval) takes process 0's snapshot and knows process 1 by its
+    discovered load, without asking it for a snapshot it cannot give."""
+    caplog.set_level(logging.INFO, logger="worker.client.router")
+    subjects = Subjects("kvdiscover", "fake", "generate")
+    async with fleet(nats_server.url, subjects) as start:
+        slow = {"engine_id": "e1", "max_concurrency": 3, "load_interval_s": 30.0}
+        await start("e1-0", **slow)
+        await start("e1-1", kv_event_source=False, **slow)
+        async with a_router(nats_server.url, subjects) as (nc, router):
+            metadata = [
+                json.loads(answer)["metadata"]
+                async for answer in discovery_answers(nc, "$SRV.STATS.vllm-nats-worker", 0.5)
+            ]
+            kv_events = {m["instance_id"]: m["kv_events"] for m in metadata}
+            assert kv_events == {"e1-0": "published", "e1-1": "load-only"}
+            assert router.resyncs == 1 and cached_blocks(router, "e1-0") == 0
+            process_1 = router.workers["e1-1"]
+            assert process_1.index is None
+            assert process_1.load is not None and process_1.load.engine_id == "e1"
+            assert process_1.load.max_concurrency == 3
+            assert "no KV snapshot from e1-1" not in caplog.text
+            assert router.route(CONVERSATION_A).instance_id == "e1"
 
 
 async def test_a_silent_worker_is_forgotten(nats_server):

@@ -99,6 +99,9 @@ class WorkerInstance:
     max_concurrency: int | None
     engine_id: str | None = None
     """The engine core it shares with other instances (`--worker-processes`); None: its own."""
+    kv_snapshots: bool = True
+    """Whether it may answer KV snapshots: False for the processes of an engine that report
+    load only (metadata `kv_events` `load-only`); True where unknown."""
 
     @property
     def has_capacity(self) -> bool:
@@ -180,6 +183,7 @@ def _instance_from_stats(data: bytes, generate_subject: str) -> WorkerInstance |
             in_flight,
             None if limit == "unlimited" else int(limit),
             stats["metadata"].get("engine_id"),
+            stats["metadata"].get("kv_events") != "load-only",
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

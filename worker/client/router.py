@@ -170,7 +170,12 @@ class KvRouter:
             found = await discover_workers(self.nc, self.subjects.generate, window=discover_s)
             # A worker whose report came during discovery has its snapshot on the way already.
             unknown = [w for w in found if w.instance_id not in self.workers]
-            await asyncio.gather(*(self._snapshot(w.instance_id, w) for w in unknown))
+            for worker in unknown:
+                if not worker.kv_snapshots:
+                    self._discovered(worker)
+            await asyncio.gather(
+                *(self._snapshot(w.instance_id, w) for w in unknown if w.kv_snapshots)
+            )
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def stop(self) -> None:
@@ -351,6 +356,14 @@ class KvRouter:
         task.add_done_callback(self._tasks.discard)
         return True
 
+    def _discovered(self, found: WorkerInstance) -> WorkerView:
+        """A worker known from discovery alone (one that answers no snapshot: a process that
+        reports load only, or KV events off): routed by load, its epoch taken from its first
+        report."""
+        view = self._view(found.instance_id, "", resync=False)
+        view.load = self._discovered_load(found, "", -1)
+        return view
+
     @staticmethod
     def _discovered_load(found: WorkerInstance, epoch: str, kv_seq: int) -> LoadReport:
         """A worker's load as discovery saw it, until its first report."""
@@ -380,10 +393,7 @@ class KvRouter:
                 "router: no KV snapshot from %s (%r): routing it by load only", instance_id, error
             )
             if view is None and found is not None:
-                # Known from discovery (a process that publishes no events, or KV events off):
-                # routed by load from now, its epoch taken from its first report.
-                view = self._view(instance_id, "", resync=False)
-                view.load = self._discovered_load(found, "", -1)
+                view = self._discovered(found)
             if view is not None:
                 view.syncing = False
                 view.index = None

@@ -132,6 +132,9 @@ class NatsWorker(Worker):
         limits = self.limits
         limit = self.config.max_concurrency
         engine = {"engine_id": self.config.engine_id} if self.config.engine_id else {}
+        if self.kv is not None:
+            # Which process answers KV snapshots: a router asks no other (kv_publisher.py).
+            engine["kv_events"] = "published" if self.kv.source is not None else "load-only"
         return {
             **engine,
             "instance_id": self.config.instance_id,
