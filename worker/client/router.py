@@ -168,7 +168,8 @@ class KvRouter:
         ]
         if discover_s > 0:
             found = await discover_workers(self.nc, self.subjects.generate, window=discover_s)
-            # A worker whose report came during discovery has its snapshot on the way already.
+            # A worker whose report came during discovery is known already (a snapshot is on
+            # the way if its report named a batch).
             unknown = [w for w in found if w.instance_id not in self.workers]
             for worker in unknown:
                 if not worker.kv_snapshots:
