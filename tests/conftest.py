@@ -12,6 +12,7 @@ worker on a real nats-server (JetStream on, its own temp dir, a free loopback po
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -140,5 +141,8 @@ async def extra_worker(engine, nats_server):
 
     yield make
     for worker, nc in made:
-        await worker.stop()
+        # A stop that hangs fails the test with the stack it waited in (wait_for's
+        # TimeoutError chains the cancelled coroutine's), not by CI's 90-minute limit: one
+        # clean-clone run hung here, after test_discovery_lists_the_workers_of_a_subject.
+        await asyncio.wait_for(worker.stop(), 60)
         await nc.close()
