@@ -131,12 +131,14 @@ class NatsWorker(Worker):
     def _metadata(self) -> dict[str, str]:
         limits = self.limits
         limit = self.config.max_concurrency
-        engine = {"engine_id": self.config.engine_id} if self.config.engine_id else {}
+        optional: dict[str, str] = {}
+        if self.config.engine_id:
+            optional["engine_id"] = self.config.engine_id
         if self.kv is not None:
             # Which process answers KV snapshots: a router asks no other (kv_publisher.py).
-            engine["kv_events"] = "published" if self.kv.source is not None else "load-only"
+            optional["kv_events"] = "published" if self.kv.source is not None else "load-only"
         return {
-            **engine,
+            **optional,
             "instance_id": self.config.instance_id,
             "model": limits.model,
             "engine": limits.engine,
