@@ -50,8 +50,16 @@ async def test_the_real_engines_cache_reaches_the_router(engine, worker, client)
             assert late.workers[me].index.overlap(prefix_keys(prompt, size)) == 2
         finally:
             await late.stop()
-        # Load reports carry vLLM's scheduler state next to the worker's own count.
-        await until(lambda: view.load is not None and view.load.kv_usage is not None)
+        # Load reports carry vLLM's scheduler state next to the worker's own count. A report
+        # sent while kv-e2e-1's last frame was on its way still counts it (one CI run saw
+        # in_flight 1): the next one, a second later, must say 0.
+        await until(
+            lambda: (
+                view.load is not None
+                and view.load.kv_usage is not None
+                and view.load.in_flight == 0
+            )
+        )
         assert view.load is not None and view.load.running is not None
         assert view.load.in_flight == 0 and view.load.draining is False
     finally:
