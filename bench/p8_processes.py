@@ -105,10 +105,14 @@ def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -
     """Alternating rounds (the GPU script's ROUND): each ratio is taken within one round, side
     by side, and printed per round with its range; tok/s and TTFT are the rounds' medians."""
 
-    def load(label: str, round_: str) -> dict[str, dict]:
-        # A side run once for all rounds (the ceiling, one engine start) has no round's file.
+    def load(label: str, round_: str) -> dict[str, dict] | None:
+        # A side run once for all rounds (the ceiling, one engine start) has no round's file and
+        # is read from p8_<label>.json in each; a side with round files but not this round's did
+        # not run in it (None), and its ratios come from the rounds it ran in.
         path = OUT_DIR / f"p8_{label}-{round_}.json"
         if not path.exists():
+            if any(OUT_DIR.glob(f"p8_{label}-r*.json")):
+                return None
             path = OUT_DIR / f"p8_{label}.json"
         return {r["logprobs"]: r for r in json.loads(path.read_text())["results"]}
 
@@ -121,27 +125,25 @@ def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -
 
     rows = []
     for label in labels:
-        for level in data[(label, rounds[0])]:
-            mine = [data[(label, rd)][level] for rd in rounds]
-            row = [label, level, median([r["tokens_per_s"] for r in mine])]
+        ran = [rd for rd in rounds if data[(label, rd)] is not None]
+        for level in data[(label, ran[0])]:
+            mine = {rd: data[(label, rd)][level] for rd in ran}
+            row = [label, level, median([r["tokens_per_s"] for r in mine.values()])]
+            ttfts = {rd: r["ttft_p50_ms"] for rd, r in mine.items()}
+            ttft_cells = []
             for base in baselines:
-                theirs = [data[(base, rd)][level] for rd in rounds]
+                both = [rd for rd in ran if data[(base, rd)] is not None]
+                theirs = {rd: data[(base, rd)][level] for rd in both}
                 row.append(
-                    spread(
-                        [
-                            m["tokens_per_s"] / t["tokens_per_s"]
-                            for m, t in zip(mine, theirs, strict=True)
-                        ]
-                    )
+                    spread([mine[rd]["tokens_per_s"] / theirs[rd]["tokens_per_s"] for rd in both])
                 )
-            ttfts = [r["ttft_p50_ms"] for r in mine]
-            row.append("–" if None in ttfts else f"{median(ttfts):.0f}")
-            for base in baselines:
-                theirs = [data[(base, rd)][level]["ttft_p50_ms"] for rd in rounds]
-                pairs = list(zip(ttfts, theirs, strict=True))
-                ok = all(a is not None and b for a, b in pairs)
-                row.append(spread([a / b for a, b in pairs]) if ok else "–")
-            rows.append(row)
+                ok = all(ttfts[rd] is not None and theirs[rd]["ttft_p50_ms"] for rd in both)
+                ttft_cells.append(
+                    spread([ttfts[rd] / theirs[rd]["ttft_p50_ms"] for rd in both]) if ok else "–"
+                )
+            known = [t for t in ttfts.values() if t is not None]
+            row.append(f"{median(known):.0f}" if len(known) == len(ttfts) else "–")
+            rows.append(row + ttft_cells)
     header = ["side", "logprobs", "tok/s (median)"] + [f"÷ {b} per round" for b in baselines]
     header += ["TTFT p50 ms"] + [f"TTFT ÷ {b} per round" for b in baselines]
     print(table(header, rows))

@@ -15,6 +15,8 @@
 #   the call
 #   WORKER_ARGS="--stream-interval 4" FRONTEND_ARGS="--router queue" TAG=-si4: more worker or
 #   frontend flags, and a tag for the label
+#   PROFILE=core (SIDE=worker): py-spy on the engine core process instead, at PROFILE_LOGPROBS
+#   (default off), for where the engine's own loop spends its time without logprobs
 #   ROUTERS="kv queue" (SIDE=stack): one frontend per router mode in turn on the same worker
 #   NATS=1 (SIDE=stack): then, the frontend stopped, the same worker loaded over NATS as n<N>,
 #   so one engine start measures both
@@ -66,12 +68,12 @@ profiled() {  # profiled <label> <pid>... -- [p8_processes args]: py-spy on each
   local label=$1 pid spies=() n=0; shift
   [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
   while [ "$1" != -- ]; do
-    timeout 120 /tmp/pyspy/bin/py-spy record --pid "$1" --rate 200 --duration 25 --format raw \
+    timeout 120 /tmp/pyspy/bin/py-spy record --pid "$1" --rate 200 --duration 25 --format raw "${SPY[@]}" \
       --output "$OUT/profile-$label-$n.txt" > "$OUT/pyspy-$label-$n.log" 2>&1 &
     spies+=($!); n=$((n + 1)); shift
   done
   shift
-  top -b -d 5 -n 5 -w 200 -c | grep -E "^top|python|vllm|nats-server" > "$OUT/top-$label.txt" &
+  top -b -d 5 -n 5 -w 200 -c | grep -E "^top|python|vllm|VLLM|nats-server" > "$OUT/top-$label.txt" &
   sleep 1
   python3 -m bench.p8_processes --label "$label-profiled" --repeats 3 \
     --logprobs "${PROFILE_LOGPROBS:-$1}" "${@:2}" > "$OUT/p8-$label-profiled.txt" 2>&1
@@ -81,14 +83,17 @@ profiled() {  # profiled <label> <pid>... -- [p8_processes args]: py-spy on each
 
 # Process 0 of a `--worker-processes`/`--processes` parent (spawned children; not Python's
 # resource tracker), or the parent itself when it has none.
+SPY=()  # more py-spy flags for profiled()
 child() { local c; c=$(pgrep -f spawn_main -P "$1" | head -1); echo "${c:-$1}"; }
+# The engine core process (vLLM titles it VLLM::EngineCore via setproctitle).
+core() { pgrep -f EngineCore | head -1; }
 
 case "$SIDE" in
   ceiling)
     label=ceiling$TAG$ROUND
     timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.ceiling --label "$label" --repeats "$REPEATS" \
       -- --model "$MODEL" "${ENGINE[@]}" "${CEILING_ARGS[@]}" > "$OUT/$label.log" 2>&1
-    echo "bench exit $?"; grep "ceiling logprobs" "$OUT/$label.log"
+    echo "bench exit $?"; grep "^$label logprobs" "$OUT/$label.log"
     cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
     ;;
   serve)
@@ -114,6 +119,12 @@ case "$SIDE" in
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
     [ "${PROFILE:-0}" = 1 ] && profiled "$label" "$(child $worker)" -- 20
+    # Blocking samples (py-spy's default) stopped the engine core often enough to cut its rate
+    # 4x in the tenth run, so the core is sampled without pausing it.
+    if [ "${PROFILE:-0}" = core ]; then
+      SPY=(--nonblocking)
+      profiled "$label-core" "$(core)" -- "${PROFILE_LOGPROBS:-off}"
+    fi
     load "$label"
     python3 -m bench.worker_stats
     kill -TERM $worker; wait $worker; echo "worker exit $?"

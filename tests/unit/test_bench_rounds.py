@@ -1,0 +1,56 @@
+"""`python -m bench.p8_processes --compare … --rounds …`: ratios are taken within each round, a
+side run once (the ceiling) is read for every round, and a side that ran in some rounds only is
+set beside the others in those rounds alone; no vllm, no nats-server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import p8_processes
+
+
+def write(out: Path, name: str, rates: dict[str, float], ttft: float | None) -> None:
+    results = [
+        {"logprobs": level, "tokens_per_s": rate, "ttft_p50_ms": ttft}
+        for level, rate in rates.items()
+    ]
+    (out / f"p8_{name}.json").write_text(json.dumps({"results": results}))
+
+
+def rows(printed: str) -> dict[tuple[str, str], list[str]]:
+    cells = [line.strip("|").split("|") for line in printed.splitlines()[2:]]
+    return {(c[0].strip(), c[1].strip()): [x.strip() for x in c[2:]] for c in cells}
+
+
+def test_rounds_pair_each_side_with_its_baseline_in_the_rounds_it_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(p8_processes, "OUT_DIR", tmp_path)
+    write(tmp_path, "ceiling", {"off": 100.0}, None)
+    write(tmp_path, "serve4-r1", {"off": 50.0}, 200.0)
+    write(tmp_path, "serve4-r2", {"off": 80.0}, 100.0)
+    write(tmp_path, "serve4-r3", {"off": 40.0}, 100.0)
+    write(tmp_path, "n4-r1", {"off": 60.0}, 100.0)
+    write(tmp_path, "n4-r2", {"off": 88.0}, 50.0)
+    write(tmp_path, "n4-r3", {"off": 60.0}, 80.0)
+    write(tmp_path, "n8-r1", {"off": 75.0}, 100.0)
+    # n8 ran in r1 only: the plain p8_n8.json, left by an earlier, unrelated run, must not stand
+    # in for its r2 and r3.
+    write(tmp_path, "n8", {"off": 1000.0}, 1.0)
+
+    p8_processes.compare_rounds(["n4", "n8", "ceiling"], ["serve4"], ["r1", "r2", "r3"])
+    table = rows(capsys.readouterr().out)
+
+    # tok/s median, ÷ serve4 per round, TTFT p50 median, TTFT ÷ serve4 per round
+    assert table[("n4", "off")] == [
+        "60",
+        "1.10–1.50 (1.20, 1.10, 1.50)",
+        "80",
+        "0.50–0.80 (0.50, 0.50, 0.80)",
+    ]
+    assert table[("n8", "off")] == ["75", "1.50–1.50 (1.50)", "100", "0.50–0.50 (0.50)"]
+    # The ceiling ran once; it is read for every round and has no TTFT.
+    assert table[("ceiling", "off")] == ["100", "1.25–2.50 (2.00, 1.25, 2.50)", "–", "–"]
