@@ -111,7 +111,7 @@ def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -
         # not run in it (None), and its ratios come from the rounds it ran in.
         path = OUT_DIR / f"p8_{label}-{round_}.json"
         if not path.exists():
-            if any(OUT_DIR.glob(f"p8_{label}-r*.json")):
+            if any((OUT_DIR / f"p8_{label}-{rd}.json").exists() for rd in rounds):
                 return None
             path = OUT_DIR / f"p8_{label}.json"
         return {r["logprobs"]: r for r in json.loads(path.read_text())["results"]}
@@ -121,6 +121,8 @@ def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -
     }
 
     def spread(values: list[float]) -> str:
+        if not values:  # the two sides shared no round
+            return "–"
         return f"{min(values):.2f}–{max(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
 
     rows = []

@@ -81,9 +81,9 @@ profiled() {  # profiled <label> <pid>... -- [p8_processes args]: py-spy on each
   tail -2 "$OUT/p8-$label-profiled.txt"
 }
 
+SPY=()  # more py-spy flags for profiled()
 # Process 0 of a `--worker-processes`/`--processes` parent (spawned children; not Python's
 # resource tracker), or the parent itself when it has none.
-SPY=()  # more py-spy flags for profiled()
 child() { local c; c=$(pgrep -f spawn_main -P "$1" | head -1); echo "${c:-$1}"; }
 # The engine core process (vLLM titles it VLLM::EngineCore via setproctitle).
 core() { pgrep -f EngineCore | head -1; }
