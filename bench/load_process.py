@@ -25,7 +25,7 @@ import msgspec
 import nats
 
 from bench.load import NatsSender, OpenAISender, RunResult, prompts, run
-from worker.nats.compat import flush_ordered
+from worker.shared.nats_compat import flush_ordered
 
 
 class RunSpec(msgspec.Struct):

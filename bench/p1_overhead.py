@@ -68,8 +68,8 @@ def _parse(argv: list[str]):
 
 async def main_async(argv: list[str]) -> None:
     from worker.engine.vllm_adapter import VllmEngine
-    from worker.nats.connection import connect
     from worker.nats.worker import NatsWorker
+    from worker.shared.nats_connection import connect
 
     args = _parse(argv)
     levels = [int(c) for c in args.concurrency.split(",")]

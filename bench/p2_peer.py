@@ -69,8 +69,8 @@ async def main_async(argv: list[str]) -> None:
     from worker.cli import build_parser, engine_args
     from worker.engine import fast_merge as vllm_fast_merge
     from worker.engine.vllm_adapter import VllmEngine
-    from worker.nats.connection import connect
     from worker.nats.worker import NatsWorker
+    from worker.shared.nats_connection import connect
 
     args, engine_argv = _parse(argv)
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -57,8 +57,8 @@ def _label(yield_every: int) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    from worker.nats.connection import connect
     from worker.nats.worker import NatsWorker
+    from worker.shared.nats_connection import connect
 
     server = NatsServer().start()
     subjects = Subjects("bench", "synthetic", "generate")

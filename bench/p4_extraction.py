@@ -17,7 +17,7 @@ import time
 from bench.common import median, table, write_json
 from worker.dev.tiny_model import ensure_tiny_model
 from worker.engine import logprobs
-from worker.engine.tokens import TokenTable
+from worker.shared.tokens import TokenTable
 
 GOALS_US = {5: 2.0, 20: 6.0}
 

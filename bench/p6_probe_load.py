@@ -27,8 +27,8 @@ from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.dev.fakes import PacedFakeEngine
-from worker.nats.connection import connect
 from worker.nats.worker import NatsWorker
+from worker.shared.nats_connection import connect
 
 
 async def _measure(

@@ -30,9 +30,9 @@ from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.dev.fakes import SyntheticFastEngine
-from worker.nats.connection import connect
 from worker.nats.worker import NatsWorker
 from worker.service import Delivery
+from worker.shared.nats_connection import connect
 
 
 async def _micro_side(worker: NatsWorker, nc: nats.NATS, subject: str) -> micro.Service:

@@ -14,8 +14,8 @@ import signal
 from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import SyntheticFastEngine
-from worker.nats.connection import connect
 from worker.nats.worker import NatsWorker
+from worker.shared.nats_connection import connect
 
 
 async def serve(url: str, subject: str) -> None:

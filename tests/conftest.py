@@ -100,8 +100,8 @@ def worker_metrics(engine) -> WorkerMetrics:
 
 @pytest.fixture(scope="session")
 async def worker(engine, nats_server: NatsServer, worker_metrics: WorkerMetrics):  # -> NatsWorker
-    from worker.nats.connection import connect
     from worker.nats.worker import NatsWorker
+    from worker.shared.nats_connection import connect
 
     config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=TEST_SUBJECTS)
     nc = await connect(config.nats)
@@ -122,8 +122,8 @@ async def client(nats_server: NatsServer) -> AsyncIterator[NATS]:
 @pytest.fixture
 async def extra_worker(engine, nats_server):
     """Makes more workers on the session's engine (own connection, subjects and settings)."""
-    from worker.nats.connection import connect
     from worker.nats.worker import NatsWorker
+    from worker.shared.nats_connection import connect
 
     made: list[tuple[NatsWorker, NATS]] = []
 

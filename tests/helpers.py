@@ -31,7 +31,7 @@ from messages.frames import ResponseFrame, TopLogprob
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from messages.subjects import REPLY_HEADER, Subjects
 from worker.client import Completion, RequestEnd, complete, frame_payloads
-from worker.engine.tokens import TokenTable
+from worker.shared.tokens import TokenTable
 
 ROOT = Path(__file__).resolve().parent.parent
 # Small on purpose: large prompt-logprob answers must be split to fit (the default is 1 MiB).

@@ -41,7 +41,7 @@ from worker.config import (
 from worker.engine import args as engine_cli
 from worker.engine import logs as engine_logs
 from worker.metrics import WorkerMetrics
-from worker.nats.options import add_nats_arguments, nats_config
+from worker.shared.nats_options import add_nats_arguments, nats_config
 
 log = logging.getLogger("worker")
 
@@ -431,8 +431,8 @@ async def preflight(args: argparse.Namespace, config: WorkerConfig) -> str | Non
     NATS URL and credentials (bounded attempts, `NatsConfig.start_attempts`) and, in jetstream
     mode, the stream and consumer (created when absent; refused when their settings differ).
     The refusal's one line, or None."""
-    from worker.nats.connection import ConnectFailed, connect
     from worker.nats.intake.jetstream import JetStreamConfigError, ensure_stream_and_consumer
+    from worker.shared.nats_connection import ConnectFailed, connect
 
     try:
         nc = await connect(config.nats, attempts=config.nats.start_attempts)
@@ -520,9 +520,9 @@ async def _run(
     live: _LiveHealth,
     metrics_port: int | None,
 ) -> int:
-    from worker.nats.connection import connect
     from worker.nats.intake.jetstream import JetStreamConfigError, JetStreamIntake
     from worker.nats.worker import NatsWorker
+    from worker.shared.nats_connection import connect
 
     metrics = WorkerMetrics(engine.limits.model, REGISTRY)
     nc = await connect(config.nats)

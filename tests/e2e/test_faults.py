@@ -24,10 +24,10 @@ from worker.client import is_probe, jetstream_complete
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.metrics import WorkerMetrics
-from worker.nats.connection import connect
 from worker.nats.intake.jetstream import JetStreamIntake, stream_name
 from worker.nats.worker import NatsWorker
 from worker.service import Delivery
+from worker.shared.nats_connection import connect
 
 PROMPT = [1, 300, 301, 302]
 

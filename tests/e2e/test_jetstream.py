@@ -25,7 +25,6 @@ from tests.helpers import (
 from worker.client import jetstream_complete, jetstream_generate
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.dev.fakes import AlwaysFailingFakeEngine
-from worker.nats.connection import connect
 from worker.nats.intake.jetstream import (
     JetStreamConfigError,
     JetStreamIntake,
@@ -33,6 +32,7 @@ from worker.nats.intake.jetstream import (
     stream_name,
 )
 from worker.nats.worker import NatsWorker
+from worker.shared.nats_connection import connect
 
 PROMPT = [1, 300, 301, 302]
 

@@ -24,8 +24,8 @@ from tests.helpers import TEST_SUBJECTS, complete_all, exchange, frame_maps, mak
 from worker.client import complete, generate
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
-from worker.nats.connection import connect
 from worker.nats.worker import NatsWorker
+from worker.shared.nats_connection import connect
 
 SUBJECT = TEST_SUBJECTS.generate
 PROMPT = [1, 300, 301, 302]

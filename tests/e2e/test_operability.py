@@ -461,11 +461,11 @@ async def test_client_cli_options_and_one_line_errors(worker, tiny_model) -> Non
 
 def test_worker_client_and_frontend_take_one_set_of_nats_flags(monkeypatch) -> None:
     """The same NATS flags and environment variables, parsed by one implementation
-    (worker/nats/options.py), give the same NatsConfig in all three tools."""
+    (worker/shared/nats_options.py), give the same NatsConfig in all three tools."""
     from worker.cli import worker_config
     from worker.client.__main__ import _parse_args as client_args
     from worker.frontend.cli import parse_args as frontend_args
-    from worker.nats.options import nats_config
+    from worker.shared.nats_options import nats_config
 
     monkeypatch.setenv("NATS_TLS_CA", "/etc/ca.pem")
     flags = [

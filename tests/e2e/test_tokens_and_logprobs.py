@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from messages.frames import TopLogprob
 from worker.dev.tiny_model import build
 from worker.engine import logprobs
-from worker.engine.tokens import TokenTable
+from worker.shared.tokens import TokenTable
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import pytest
 
 from tests.helpers import ROOT
 from worker.dev.embedded import nats_server_binary
-from worker.nats.connection import ConnectFailed, connect
-from worker.nats.options import nats_config
+from worker.shared.nats_connection import ConnectFailed, connect
+from worker.shared.nats_options import nats_config
 
 CONF = ROOT / "deploy" / "nats.conf"
 _CLIENTS = re.compile(r"Listening for client connections on 127\.0\.0\.1:(\d+)")

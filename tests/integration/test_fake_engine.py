@@ -24,9 +24,9 @@ from worker.client import RequestError, generate
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import PacedFakeEngine, SyntheticFastEngine
 from worker.metrics import WorkerMetrics
-from worker.nats.connection import connect
 from worker.nats.worker import NatsWorker
 from worker.service import Delivery
+from worker.shared.nats_connection import connect
 
 PROMPT = [1, 300, 301, 302]
 

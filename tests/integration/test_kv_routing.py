@@ -24,9 +24,9 @@ from worker.client import KvRouter, Route, generate
 from worker.client.library import discovery_answers
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import FakePrefixCache, PacedFakeEngine
-from worker.nats.connection import connect
 from worker.nats.kv_publisher import KvPublisher
 from worker.nats.worker import NatsWorker
+from worker.shared.nats_connection import connect
 
 BLOCK = 4
 SYSTEM = list(range(100, 116))  # 4 blocks every conversation shares

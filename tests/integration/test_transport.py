@@ -1,10 +1,10 @@
-"""worker.nats.compat on the real nats-server: what `flush` promises the rest of the worker."""
+"""worker.shared.nats_compat on the real nats-server: what `flush` promises the worker."""
 
 from __future__ import annotations
 
 import nats
 
-from worker.nats.compat import flush_ordered as flush
+from worker.shared.nats_compat import flush_ordered as flush
 
 
 async def test_flush_puts_its_ping_behind_buffered_subscriptions(nats_server) -> None:

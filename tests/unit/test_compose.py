@@ -20,7 +20,7 @@ import yaml
 from tests.helpers import ROOT
 from worker.cli import OPTIONS
 from worker.config import ENVIRONMENT
-from worker.nats.options import NATS_FLAGS, nats_config
+from worker.shared.nats_options import NATS_FLAGS, nats_config
 
 COMPOSE = ROOT / "docker-compose.yml"
 BIND = "${BIND_ADDR:-127.0.0.1}"

@@ -7,9 +7,6 @@ import boundaries between the packages.
 
 from __future__ import annotations
 
-import ast
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -17,6 +14,7 @@ from typing import NamedTuple
 import pytest
 
 from messages.errors import ERROR_CODES, ERRORS, disposition, is_refusal, is_retryable, kind
+from tests.unit.test_layers import _modules
 from worker.client.reader import RequestEnd
 from worker.config import (
     JetStreamSettings,
@@ -27,8 +25,8 @@ from worker.config import (
     environment,
 )
 from worker.engine import logprobs
-from worker.engine.tokens import TokenTable
 from worker.errors import describe
+from worker.shared.tokens import TokenTable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -229,20 +227,6 @@ def test_byte_level_pieces_map_back_to_their_bytes() -> None:
 # --- package boundaries ---------------------------------------------------------------------------
 
 
-def _modules(*packages: str) -> list[Path]:
-    return sorted(p for package in packages for p in (ROOT / package).rglob("*.py"))
-
-
-def _imported(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names
-
-
 def test_text_holds_back_incomplete_utf8_and_drops_it_at_the_end() -> None:
     """As vLLM's incremental detokenizer: a character split over byte tokens appears whole, a
     length cut inside one leaves no U+FFFD, lone bytes at the end give "" (vLLM: ""), lone bytes
@@ -264,40 +248,6 @@ def test_text_holds_back_incomplete_utf8_and_drops_it_at_the_end() -> None:
     assert decode([0, 1, 2]) == (["a", "", "", ""], "a")  # cut inside the character
     assert decode([4, 4, 4]) == (["", "", "", ""], "")  # a prompt of lone byte tokens
     assert decode([4, 0, 5]) == (["", "\ufffda", "", ""], "\ufffda")
-
-
-def test_only_the_engine_package_imports_vllm() -> None:
-    engine = ROOT / "worker" / "engine"
-    offenders = [
-        str(p.relative_to(ROOT))
-        for p in _modules("worker", "messages")
-        if "vllm" in _imported(p) and engine not in p.parents
-    ]
-    assert offenders == []
-
-
-def test_only_the_nats_package_and_the_publisher_side_import_nats() -> None:
-    allowed = [ROOT / "worker" / name for name in ("nats", "client", "frontend")]
-    offenders = [
-        str(p.relative_to(ROOT))
-        for p in _modules("worker", "messages")
-        if "nats" in _imported(p) and not any(a in p.parents for a in allowed)
-    ]
-    assert offenders == []
-
-
-def test_messages_and_the_client_import_without_vllm_or_torch() -> None:
-    code = (
-        "import sys\n"
-        "for blocked in ('vllm', 'torch', 'transformers'):\n"
-        "    sys.modules[blocked] = None  # importing it now raises ImportError\n"
-        "import messages, worker.client, worker.client.__main__, worker.config\n"
-        "print('ok')\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_frontend_options_defaults_and_api_key_from_env(monkeypatch) -> None:

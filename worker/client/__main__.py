@@ -28,8 +28,8 @@ from messages.subjects import Subjects
 from worker.client.library import discover_workers, generate, jetstream_stream, subjects_of
 from worker.client.reader import FrameOrderError, RequestError
 from worker.client.stops import stop_cut
-from worker.nats.connection import ConnectFailed, connect
-from worker.nats.options import LOCAL_URL, add_nats_arguments, nats_config
+from worker.shared.nats_connection import ConnectFailed, connect
+from worker.shared.nats_options import LOCAL_URL, add_nats_arguments, nats_config
 
 
 def _int_list(text: str) -> list[int]:

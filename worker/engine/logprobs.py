@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from messages.frames import TopLogprob
-from worker.engine.tokens import TokenTable
 from worker.errors import WorkerError
+from worker.shared.tokens import TokenTable
 
 
 class AlignmentError(WorkerError, RuntimeError):

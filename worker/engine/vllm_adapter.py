@@ -41,8 +41,8 @@ from worker.engine.contract import (
     PromptRows,
 )
 from worker.engine.kv_events import VllmKvEvents
-from worker.engine.tokens import TokenTable
 from worker.errors import describe
+from worker.shared.tokens import TokenTable
 from worker.validation import max_new_tokens
 
 try:  # vLLM >= 0.11 raises its own validation error type, which is not a ValueError.

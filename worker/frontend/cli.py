@@ -14,7 +14,7 @@ import tempfile
 from worker.client.router import ROUTING_MODES
 from worker.config import at_least_one, default, environment, share_metrics_with_children
 from worker.frontend.settings import FrontendSettings
-from worker.nats.options import LOCAL_URL, add_nats_arguments, nats_config
+from worker.shared.nats_options import LOCAL_URL, add_nats_arguments, nats_config
 
 
 def _default(name: str) -> object:
@@ -120,7 +120,7 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
 
     from worker.frontend.app import create_app
     from worker.frontend.tokenizer import ModelTokenizer
-    from worker.nats.connection import connect as nats_connect
+    from worker.shared.nats_connection import connect as nats_connect
 
     settings = settings_of(args)
 
@@ -138,7 +138,7 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
 
 async def _check_nats(args: argparse.Namespace) -> str | None:
     """A wrong URL or credentials: one line before serving, not endless reconnects behind 503s."""
-    from worker.nats.connection import ConnectFailed, connect
+    from worker.shared.nats_connection import ConnectFailed, connect
 
     try:
         config = nats_config(args)

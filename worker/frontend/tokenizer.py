@@ -1,6 +1,6 @@
 """The model's tokenizer, as the frontend needs it: prompts in, text out.
 
-Text is built from the true bytes of each token (`worker.engine.tokens.TokenTable`, the same table
+Text is built from the true bytes of each token (`worker.shared.tokens.TokenTable`, the same table
 the worker uses for `token`/`bytes`), so the text a response returns is exactly the UTF-8 decoding
 of its tokens' bytes. Special tokens (e.g. `</s>`) are left out of the text, as vLLM's
 `skip_special_tokens=True` default does, but keep their logprob entries.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.engine.tokens import TokenTable
+from worker.shared.tokens import TokenTable
 
 
 class ChatTemplateMissing(ValueError):

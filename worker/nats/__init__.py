@@ -4,7 +4,8 @@ imports nats.
 - `worker.py`: the service core wired to a NATS connection (`NatsWorker`);
 - `intake/`: where requests come in (core queue group, JetStream work queue);
 - `liveness.py`: client probes and publishing that waits out a broker outage;
-- `discovery.py`: the NATS micro protocol (`$SRV.PING/INFO/STATS`);
-- `connection.py`: servers, auth, TLS, reconnects; `compat.py`: nats-py private access;
-- `options.py`: the NATS flags every tool shares (no nats import: argparse → NatsConfig).
+- `discovery.py`: the NATS micro protocol (`$SRV.PING/INFO/STATS`).
+
+The connection, its options and nats-py compat are `worker.shared`'s (the publisher side uses
+them too).
 """

@@ -35,8 +35,8 @@ from nats.micro.service import (
 
 from messages.subjects import SERVICE_NAME
 from worker import __version__
-from worker.nats.connection import unsubscribe_all
 from worker.service import SubjectStats
+from worker.shared.nats_connection import unsubscribe_all
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from messages.subjects import SERVICE_NAME
 from worker.config import JetStreamSettings, WorkerConfig
 from worker.engine.contract import Engine
 from worker.metrics import WorkerMetrics
-from worker.nats.compat import flush_ordered
 from worker.nats.discovery import Discovery, Endpoint
 from worker.nats.intake.core import CoreIntake
 from worker.nats.intake.jetstream import stream_name
 from worker.nats.kv_publisher import KvPublisher
 from worker.nats.liveness import Liveness, NatsReply
 from worker.service import SubjectStats, Worker
+from worker.shared.nats_compat import flush_ordered
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from worker.errors import describe
-from worker.nats.connection import unsubscribe_all
 from worker.nats.liveness import Liveness, NatsReply
 from worker.service import Delivery, Worker
+from worker.shared.nats_connection import unsubscribe_all
 
 log = logging.getLogger(__name__)
 
