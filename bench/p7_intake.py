@@ -1,7 +1,7 @@
 """P7 intake: the generate subject as a plain queue subscription ÷ as a NATS micro endpoint.
 
 Issue 15 asked whether generate should stay a nats-py micro endpoint. Both sides here hand each
-request to the same service core (`worker.service.Worker.accept`) on the same named fake engine
+request to the same service core (`RequestService.accept`) on the same named fake engine
 (`SyntheticFastEngine`, one token per request, so the intake is most of the work):
 - "plain": the worker's own intake (worker/nats/intake/core.py): a queue subscription whose
   callback builds a Delivery from the message;

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from messages.codec import MSGPACK
 from messages.frames import ResponseFrame, TopLogprob
-from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
+from messages.request import GenerateRequest
 from messages.subjects import REPLY_HEADER, Subjects
 from worker.client import Completion, RequestEnd, complete, frame_payloads
 from worker.shared.tokens import TokenTable
@@ -37,28 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # Small on purpose: large prompt-logprob answers must be split to fit (the default is 1 MiB).
 TEST_MAX_PAYLOAD = 32 * 1024
 TEST_SUBJECTS = Subjects(namespace="test", component="vllm", endpoint="generate")
-
-
-def make_request(
-    request_id: str,
-    token_ids: list[int],
-    *,
-    max_tokens: int = 8,
-    logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
-    n: int = 1,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    ignore_eos: bool = True,
-    **stop: Any,
-) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=request_id,
-        token_ids=token_ids,
-        sampling_options=SamplingOptions(n=n, temperature=temperature, seed=seed),
-        stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=ignore_eos, **stop),
-        output_options=OutputOptions(logprobs=logprobs, prompt_logprobs=prompt_logprobs),
-    )
 
 
 async def complete_all(nc: NATS, subject: str, requests: list[GenerateRequest]) -> list[Completion]:

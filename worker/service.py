@@ -122,7 +122,7 @@ def _decode(codec: Codec, data: bytes) -> GenerateRequest:
         raise InvalidRequest("invalid payload", "nested too deeply to decode") from error
 
 
-class Worker:
+class RequestService:
     def __init__(
         self,
         engine: Engine,

@@ -12,8 +12,9 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from messages.subjects import Subjects
-from tests.helpers import complete_all, make_request
+from tests.helpers import complete_all
 from worker.client import RequestError, complete, discover_workers, generate
+from worker.client.requests import make_request
 from worker.nats.worker import NatsWorker
 
 PROMPT = [1, 300, 301, 302]

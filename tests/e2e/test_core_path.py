@@ -12,15 +12,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from messages.codec import JSON, MSGPACK
-from tests.helpers import (
-    TEST_MAX_PAYLOAD,
-    TEST_SUBJECTS,
-    check_row,
-    exchange,
-    make_request,
-    raw_frames,
-)
+from tests.helpers import TEST_MAX_PAYLOAD, TEST_SUBJECTS, check_row, exchange, raw_frames
 from worker.client import complete, fold
+from worker.client.requests import make_request
 from worker.dev.embedded import NatsServer
 
 SUBJECT = TEST_SUBJECTS.generate

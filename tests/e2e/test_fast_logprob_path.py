@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import make_request
+from worker.client.requests import make_request
 from worker.engine.contract import EngineStep
 
 K = 5

@@ -19,8 +19,9 @@ from messages.codec import MSGPACK
 from messages.request import CancelRequest
 from messages.subjects import REPLY_HEADER, Subjects
 from tests.fuzzing import fuzz_settings, hostile_payloads, locally_valid
-from tests.helpers import Tally, frame_maps, make_request, raw_frames, tally
+from tests.helpers import Tally, frame_maps, raw_frames, tally
 from worker.client import is_probe, jetstream_complete
+from worker.client.requests import make_request
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.metrics import WorkerMetrics

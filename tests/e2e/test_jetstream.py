@@ -14,15 +14,9 @@ from nats.js import api
 
 from messages.codec import MSGPACK
 from messages.subjects import REPLY_HEADER, Subjects
-from tests.helpers import (
-    collect,
-    make_request,
-    raw_frames,
-    read_until,
-    run_client_cli,
-    start_cli_worker,
-)
+from tests.helpers import collect, raw_frames, read_until, run_client_cli, start_cli_worker
 from worker.client import jetstream_complete, jetstream_generate
+from worker.client.requests import make_request
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.dev.fakes import AlwaysFailingFakeEngine
 from worker.nats.intake.jetstream import (

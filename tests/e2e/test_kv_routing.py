@@ -9,9 +9,10 @@ import random
 
 import msgspec
 
-from tests.helpers import TEST_SUBJECTS, make_request, until
+from tests.helpers import TEST_SUBJECTS, until
 from worker.client import KvRouter, generate
 from worker.client.prefix_index import prefix_keys
+from worker.client.requests import make_request
 
 
 def block_size(engine) -> int:

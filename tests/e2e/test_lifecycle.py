@@ -20,8 +20,9 @@ from messages.codec import MSGPACK
 from messages.request import CancelRequest
 from messages.subjects import Subjects
 from tests.fuzzing import fuzz_settings, hostile_payloads, locally_valid
-from tests.helpers import TEST_SUBJECTS, complete_all, exchange, frame_maps, make_request
+from tests.helpers import TEST_SUBJECTS, complete_all, exchange, frame_maps
 from worker.client import complete, generate
+from worker.client.requests import make_request
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.nats.worker import NatsWorker

@@ -18,7 +18,6 @@ from tests.helpers import (
     get_health,
     kill_if_running,
     last_worker_line,
-    make_request,
     metrics_server,
     read_until,
     ready_metrics_port,
@@ -28,6 +27,7 @@ from tests.helpers import (
 )
 from worker.cli import build_parser
 from worker.client import complete, generate
+from worker.client.requests import make_request
 
 PROMPT = [1, 300, 301, 302]
 STATS_LINE = r"Avg prompt throughput: .* Running: \d+ reqs, Waiting: \d+ reqs, .*KV cache usage"

@@ -20,7 +20,6 @@ from tests.helpers import (
     collect,
     exchange,
     kill_if_running,
-    make_request,
     metrics_server,
     read_until,
     ready_metrics_port,
@@ -32,6 +31,7 @@ from tests.helpers import (
 )
 from worker.cli import build_parser, engine_args
 from worker.client import complete
+from worker.client.requests import make_request
 
 PROMPT = [1, 300, 301, 302]
 

@@ -20,7 +20,6 @@ from tests.helpers import (
     complete_all,
     get_health,
     last_worker_line,
-    make_request,
     read_until,
     scrape,
     sigterm_mid_stream,
@@ -30,6 +29,7 @@ from tests.helpers import (
 from worker.client import KvRouter, complete, discover_workers, generate
 from worker.client.library import discovery_answers
 from worker.client.prefix_index import prefix_keys
+from worker.client.requests import make_request
 
 PROMPT = [1, 300, 301, 302]
 

@@ -15,8 +15,9 @@ import msgspec
 import pytest
 
 from messages.codec import MSGPACK
-from tests.helpers import TEST_SUBJECTS, exchange, make_request, run_client_cli
+from tests.helpers import TEST_SUBJECTS, exchange, run_client_cli
 from worker.client import complete
+from worker.client.requests import make_request
 from worker.client.stops import stop_cut
 from worker.frontend.tokenizer import ModelTokenizer
 

@@ -17,10 +17,10 @@ from tests.helpers import (
     collect,
     exchange,
     kill_if_running,
-    make_request,
     read_until,
     start_cli_worker,
 )
+from worker.client.requests import make_request
 
 PROMPT = [1, 40, 41, 42, 43, 44]
 TOKENS = 25

@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from messages.codec import JSON, MSGPACK
 from messages.subjects import Subjects
-from tests.helpers import Tally, make_request, raw_frames, tally
+from tests.helpers import Tally, raw_frames, tally
 from worker.client import RequestError, generate
+from worker.client.requests import make_request
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import PacedFakeEngine, SyntheticFastEngine
 from worker.metrics import WorkerMetrics

@@ -19,9 +19,10 @@ from nats.aio.client import Client as NATS
 
 from messages.kv import BATCH_DECODER, AllCleared, BlocksStored, KvEvent
 from messages.subjects import Subjects
-from tests.helpers import make_request, until
+from tests.helpers import until
 from worker.client import KvRouter, Route, generate
 from worker.client.library import discovery_answers
+from worker.client.requests import make_request
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import FakePrefixCache, PacedFakeEngine
 from worker.nats.kv_publisher import KvPublisher

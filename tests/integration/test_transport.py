@@ -42,8 +42,9 @@ async def test_a_request_nobody_serves_ends_at_once_as_no_workers(nats_server) -
     import pytest
 
     from messages.errors import is_refusal, is_retryable, kind
-    from tests.helpers import make_request, run_client_cli
+    from tests.helpers import run_client_cli
     from worker.client import RequestError, complete
+    from worker.client.requests import make_request
 
     nc = await nats.connect(nats_server.url)
     try:

@@ -25,7 +25,7 @@ from worker.nats.intake.core import CoreIntake
 from worker.nats.intake.jetstream import stream_name
 from worker.nats.kv_publisher import KvPublisher
 from worker.nats.liveness import Liveness, NatsReply
-from worker.service import SubjectStats, Worker
+from worker.service import RequestService, SubjectStats
 from worker.shared.nats_compat import flush_ordered
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 CONTENT_TYPES = {"content_types": "application/msgpack,application/json"}
 
 
-class NatsWorker(Worker):
+class NatsWorker(RequestService):
     def __init__(
         self,
         engine: Engine,

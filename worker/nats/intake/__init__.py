@@ -5,7 +5,7 @@ message is settled.
 - `core.py`: the core NATS queue group (at most once): `--mode core`;
 - `jetstream.py`: a durable JetStream work queue (redelivered until settled): `--mode jetstream`.
 
-Both hand requests to the service core (`worker.service.Worker.accept`) and are started and
+Both hand requests to the service core (`worker.service.RequestService.accept`) and are started and
 stopped by `worker.nats.worker.NatsWorker` through this interface.
 """
 

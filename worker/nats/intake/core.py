@@ -19,7 +19,7 @@ from nats.aio.subscription import Subscription
 
 from worker.errors import describe
 from worker.nats.liveness import Liveness, NatsReply
-from worker.service import Delivery, Worker
+from worker.service import Delivery, RequestService
 from worker.shared.nats_connection import unsubscribe_all
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class CoreIntake:
     def __init__(
-        self, worker: Worker, nc: NATS, liveness: Liveness, subjects: list[tuple[str, str]]
+        self, worker: RequestService, nc: NATS, liveness: Liveness, subjects: list[tuple[str, str]]
     ) -> None:
         """`subjects`: (subject, queue group) pairs to take requests from."""
         self.worker = worker
