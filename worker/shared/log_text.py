@@ -21,8 +21,9 @@ def _escape(char: str) -> str:
 
 
 def loggable(text: object, limit: int = MAX_LOGGED) -> str:
-    """`text` escaped for a log line: controls as `\\xNN`, `\\uNNNN` or `\\UNNNNNNNN`, backslashes doubled (so
-    an escape in the log is never the client's own text), cut at `limit` characters."""
+    """`text` escaped for a log line: what is not printable as `\\xNN`, `\\uNNNN` or
+    `\\UNNNNNNNN`, backslashes doubled (so an escape in the log is never the client's own
+    text), cut at `limit` characters."""
     raw = text if isinstance(text, str) else str(text)
     cut = raw[:limit]
     escaped = "".join(c if c.isprintable() and c != "\\" else _escape(c) for c in cut)
