@@ -11,7 +11,7 @@ COPY messages/ /tmp/vllm-nats-worker/messages/
 COPY worker/ /tmp/vllm-nats-worker/worker/
 RUN python3 -m pip install --no-cache-dir "/tmp/vllm-nats-worker[gpu,frontend]" \
     && rm -rf /tmp/vllm-nats-worker \
-    && cd / && python3 -c "import worker.cli, worker.frontend.app"
+    && cd / && python3 -c "import worker.process, worker.frontend.app"
 
 # vLLM's image starts `vllm serve`; this one the NATS worker. The compose file's frontend
 # service overrides it with `python3 -m worker.frontend`.

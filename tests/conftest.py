@@ -85,7 +85,7 @@ async def engine(tiny_model: Path):  # -> VllmEngine
     from worker.engine.args import tiny_engine_args
     from worker.engine.vllm_adapter import VllmEngine
 
-    vllm_fast_merge.install()  # as worker.cli.serve does
+    vllm_fast_merge.install()  # as worker.process.serve does
     args = tiny_engine_args(tiny_model)
     kv_events.configure(args)  # as worker.cli.engine_args does (--kv-events is on by default)
     engine = await VllmEngine.start(args)
@@ -99,17 +99,13 @@ def worker_metrics(engine) -> WorkerMetrics:
 
 
 @pytest.fixture(scope="session")
-async def worker(engine, nats_server: NatsServer, worker_metrics: WorkerMetrics):  # -> NatsWorker
-    from worker.nats.worker import NatsWorker
-    from worker.shared.nats_connection import connect
+async def worker(engine, nats_server: NatsServer, worker_metrics: WorkerMetrics):  # WorkerRuntime
+    from worker.nats.runtime import open_worker
 
     config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=TEST_SUBJECTS)
-    nc = await connect(config.nats)
-    service = NatsWorker(engine, nc, config, worker_metrics)
-    await service.start()
-    yield service
-    await service.stop()
-    await nc.close()
+    runtime = await open_worker(engine, config, worker_metrics)
+    yield runtime
+    await runtime.stop()
 
 
 @pytest.fixture(scope="session")
@@ -122,27 +118,22 @@ async def client(nats_server: NatsServer) -> AsyncIterator[NATS]:
 @pytest.fixture
 async def extra_worker(engine, nats_server):
     """Makes more workers on the session's engine (own connection, subjects and settings)."""
-    from worker.nats.worker import NatsWorker
-    from worker.shared.nats_connection import connect
+    from worker.nats.runtime import WorkerRuntime, open_worker
 
-    made: list[tuple[NatsWorker, NATS]] = []
+    made: list[WorkerRuntime] = []
 
-    async def make(subjects: Subjects, **settings) -> NatsWorker:
+    async def make(subjects: Subjects, **settings) -> WorkerRuntime:
         config = WorkerConfig(
             nats=NatsConfig(servers=[settings.pop("url", nats_server.url)]),
             subjects=subjects,
             **settings,
         )
-        nc = await connect(config.nats)
-        worker = NatsWorker(engine, nc, config)
-        await worker.start()
-        made.append((worker, nc))
-        return worker
+        runtime = await open_worker(engine, config)
+        made.append(runtime)
+        return runtime
 
     yield make
-    for worker, nc in made:
+    for runtime in made:
         # A stop that hangs fails the test with the stack it waited in (wait_for's
-        # TimeoutError chains the cancelled coroutine's), not by CI's 90-minute limit: one
-        # clean-clone run hung here, after test_discovery_lists_the_workers_of_a_subject.
-        await asyncio.wait_for(worker.stop(), 60)
-        await nc.close()
+        # TimeoutError chains the cancelled coroutine's), not by CI's 90-minute limit.
+        await asyncio.wait_for(runtime.stop(), 60)

@@ -1,4 +1,4 @@
-from worker.cli import main
+from worker.process import main
 
 if __name__ == "__main__":
     main()

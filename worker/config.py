@@ -108,6 +108,25 @@ class NatsConfig:
 
 
 @dataclass(kw_only=True)
+class JetStreamSettings:
+    """`--mode jetstream` (worker/nats/intake/jetstream.py)."""
+
+    stream: str | None = None
+    """Stream name; default `<NAMESPACE>_<COMPONENT>_<ENDPOINT>`."""
+    durable: str = "vllm-workers"
+    ack_wait_s: float = 30.0
+    """Seconds without an ack (or in-progress ack) before redelivery."""
+    max_deliver: int = 3
+    """Delivery attempts before a request is terminated with an error frame."""
+    max_ack_pending: int = 1024
+    max_age_s: float = 3600.0
+    """Seconds a queued request may wait before the stream drops it."""
+    fetch_timeout_s: float = 1.0
+    capacity: int = 64
+    """Requests pulled at once (the worker's max_concurrency when set)."""
+
+
+@dataclass(kw_only=True)
 class WorkerConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     subjects: Subjects = field(default_factory=Subjects)
@@ -153,25 +172,9 @@ class WorkerConfig:
     processes of one engine core (`--worker-processes`) only process 0 does, since all would
     read the same events; the others report their load only."""
     load_interval_s: float = 1.0
+    jetstream: JetStreamSettings | None = None
+    """`--mode jetstream`: requests come from this work queue instead of the core subjects
+    (worker/nats/intake/); None: core mode."""
     processes: int = 1
     """Worker processes over one engine core (worker/engine/scaleout.py), each with its own NATS
     connection in the same queue group; max_concurrency is the whole worker's, split evenly."""
-
-
-@dataclass(kw_only=True)
-class JetStreamSettings:
-    """`--mode jetstream` (worker/nats/intake/jetstream.py)."""
-
-    stream: str | None = None
-    """Stream name; default `<NAMESPACE>_<COMPONENT>_<ENDPOINT>`."""
-    durable: str = "vllm-workers"
-    ack_wait_s: float = 30.0
-    """Seconds without an ack (or in-progress ack) before redelivery."""
-    max_deliver: int = 3
-    """Delivery attempts before a request is terminated with an error frame."""
-    max_ack_pending: int = 1024
-    max_age_s: float = 3600.0
-    """Seconds a queued request may wait before the stream drops it."""
-    fetch_timeout_s: float = 1.0
-    capacity: int = 64
-    """Requests pulled at once (the worker's max_concurrency when set)."""

@@ -336,10 +336,14 @@ class RequestService:
             entry.session.interrupt(entry.task, code, message)
         return [entry.task for entry in entries]
 
+    def stop_admitting(self) -> None:
+        """From now on every request is refused with a retryable `worker_shutdown`."""
+        self._draining = True
+
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting requests; let in-flight ones finish for up to `timeout_s`; end the rest
         with a retryable `worker_shutdown` error frame (their engine requests are aborted)."""
-        self._draining = True
+        self.stop_admitting()
         pending = set(self._in_flight)
         if pending and timeout_s > 0:
             log.info("draining %d in-flight requests (up to %.1fs)", len(pending), timeout_s)

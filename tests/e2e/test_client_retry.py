@@ -15,7 +15,7 @@ from messages.subjects import Subjects
 from tests.helpers import complete_all
 from worker.client import RequestError, complete, discover_workers, generate
 from worker.client.requests import make_request
-from worker.nats.worker import NatsWorker
+from worker.nats.runtime import WorkerRuntime
 
 PROMPT = [1, 300, 301, 302]
 
@@ -42,13 +42,13 @@ async def occupied(nc: NATS, subject: str, name: str) -> AsyncIterator[None]:
             await task
 
 
-async def settled(worker: NatsWorker) -> NatsWorker:
+async def settled(worker: WorkerRuntime) -> WorkerRuntime:
     """The worker once nothing runs on it any more (a cancel ends a request asynchronously)."""
     for _ in range(200):
-        if worker.in_flight == 0:
+        if worker.service.in_flight == 0:
             return worker
         await asyncio.sleep(0.01)
-    raise AssertionError(f"worker still has {worker.in_flight} requests in flight")
+    raise AssertionError(f"worker still has {worker.service.in_flight} requests in flight")
 
 
 async def test_discovery_lists_the_workers_of_a_subject(extra_worker, client) -> None:
@@ -143,4 +143,6 @@ async def test_no_retry_once_output_began(extra_worker, client, engine) -> None:
     final = frames[-1]
     assert final.finish_reason == "error" and final.error.code == "worker_shutdown"
     assert sum(len(f.token_ids) for f in frames) >= 3
-    assert other.served == 0  # tokens had reached the caller: not silently restarted elsewhere
+    assert (
+        other.service.served == 0
+    )  # tokens had reached the caller: not silently restarted elsewhere

@@ -406,7 +406,7 @@ async def test_request_without_reply_subject_is_refused_not_run(
     worker, client, engine, caplog
 ) -> None:
     caplog.set_level(logging.WARNING, logger="worker.service")
-    served = worker.served
+    served = worker.service.served
     await client.publish(SUBJECT, MSGPACK.encode(make_request("no-reply", PROMPT, max_tokens=50)))
     await client.flush()
     for _ in range(100):
@@ -414,7 +414,7 @@ async def test_request_without_reply_subject_is_refused_not_run(
             break
         await asyncio.sleep(0.02)
     assert "without a reply subject" in caplog.text
-    assert engine.num_unfinished_requests() == 0 and worker.served == served
+    assert engine.num_unfinished_requests() == 0 and worker.service.served == served
     good = await complete(
         client, make_request("after-no-reply", PROMPT, max_tokens=2), subject=SUBJECT
     )

@@ -5,6 +5,7 @@ is involved (a paced fake engine only for probe counting)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -26,9 +27,8 @@ from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.metrics import WorkerMetrics
 from worker.nats.intake.jetstream import JetStreamIntake, stream_name
-from worker.nats.worker import NatsWorker
+from worker.nats.runtime import WorkerRuntime, open_worker
 from worker.service import Delivery
-from worker.shared.nats_connection import connect
 
 PROMPT = [1, 300, 301, 302]
 
@@ -119,27 +119,21 @@ async def js_worker(engine, nats_server):
     """A JetStream-mode worker on the session's real engine; stopped after the test."""
     made = []
 
-    async def start(subjects: Subjects, settings: JetStreamSettings, **config) -> NatsWorker:
+    async def start(subjects: Subjects, settings: JetStreamSettings, **config) -> WorkerRuntime:
         worker_config = WorkerConfig(
             nats=NatsConfig(servers=[nats_server.url]),
             subjects=subjects,
             max_concurrency=8,
             **config,
         )
-        nc = await connect(worker_config.nats)
-        worker = NatsWorker(engine, nc, worker_config)
-        await worker.start(jetstream=settings)
-        intake = JetStreamIntake(worker, nc, settings, 8)
-        await intake.start()
-        made.append((worker, intake, nc))
-        worker.intake = intake  # type: ignore[attr-defined]
+        worker_config.jetstream = dataclasses.replace(settings, capacity=8)
+        worker = await open_worker(engine, worker_config)
+        made.append(worker)
         return worker
 
     yield start
-    for worker, intake, nc in made:
-        await intake.stop()
+    for worker in made:
         await worker.stop()
-        await nc.close()
 
 
 async def _settled(client, stream: str, durable: str) -> tuple[int, int]:
@@ -188,7 +182,7 @@ async def test_a_failure_while_taking_a_message_settles_it_and_the_pull_goes_on(
     subjects = Subjects("takefail", "vllm", "generate")
     settings = JetStreamSettings(max_deliver=3)
     worker = await js_worker(subjects, settings)
-    accept = worker.accept
+    accept = worker.service.accept
     seen: list[int] = []
 
     async def failing_accept(delivery: Delivery):
@@ -197,7 +191,7 @@ async def test_a_failure_while_taking_a_message_settles_it_and_the_pull_goes_on(
             raise RuntimeError("a bug while taking the message")
         return await accept(delivery)
 
-    monkeypatch.setattr(worker, "accept", failing_accept)
+    monkeypatch.setattr(worker.service, "accept", failing_accept)
     completion, attempts = await jetstream_complete(
         client, make_request("boom", PROMPT, max_tokens=4), subjects=subjects, timeout=30
     )
@@ -231,7 +225,10 @@ async def test_a_pull_loop_that_dies_anyway_marks_the_intake_failed(
         MSGPACK.encode(make_request("kills-loop", PROMPT)),
         headers={REPLY_HEADER: inbox},
     )
-    await asyncio.wait_for(intake.failed.wait(), 10)  # cli._run then exits 1
+    await asyncio.wait_for(intake.failed.wait(), 10)
+    # The lifecycle then drains and ends non-zero (the process exits 1), although nobody asked
+    # it to stop.
+    assert await asyncio.wait_for(worker.run(asyncio.Event()), 30) == 1
 
 
 # --- 4. misfiled errors ------------------------------------------------------------------------
@@ -396,14 +393,12 @@ async def _outage(engine, outage_s: float, caplog) -> tuple[list[Tally], list[Ta
     server = NatsServer().start()
     subjects = Subjects("outage", "vllm", "generate")
     clients = []
-    worker = worker_nc = None
+    worker = None
     try:
         config = WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects)
-        worker_nc = await connect(config.nats)
-        worker = NatsWorker(
-            engine, worker_nc, config, WorkerMetrics(engine.limits.model, CollectorRegistry())
+        worker = await open_worker(
+            engine, config, WorkerMetrics(engine.limits.model, CollectorRegistry())
         )
-        await worker.start()
         clients = [await nats.connect(server.url, max_reconnect_attempts=-1) for _ in range(4)]
         long_streams = [Tally(f"outage-{i}") for i in range(32)]
         tasks = [
@@ -432,21 +427,19 @@ async def _outage(engine, outage_s: float, caplog) -> tuple[list[Tally], list[Ta
             tasks.append(asyncio.create_task(tally(clients[i], subjects.generate, request, s)))
         await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in deadline_streams)), 60)
         # The fault lands mid-stream: every request is running and far from its end.
-        assert worker.in_flight == 36
+        assert worker.service.in_flight == 36
         assert all(s.tokens < 250 for s in long_streams)
         server.kill()
         await asyncio.sleep(outage_s)
         server.start()
         await asyncio.wait_for(asyncio.gather(*tasks), 180)
-        assert worker.in_flight == 0
+        assert worker.service.in_flight == 0
         return long_streams, deadline_streams
     finally:
         for nc in clients:
             await nc.close()
         if worker is not None:
             await worker.stop()
-        if worker_nc is not None:
-            await worker_nc.close()
         server.stop()
 
 
@@ -489,7 +482,7 @@ async def test_a_0_3s_broker_blip_ends_every_stream_and_aborts_no_reconnecting_c
 class FuzzQueue:
     subjects: Subjects
     settings: JetStreamSettings
-    worker: NatsWorker
+    worker: WorkerRuntime
     invalid: int = 0
     valid: int = 0
 
@@ -499,17 +492,14 @@ async def fuzz_queue(engine, nats_server):
     subjects = Subjects("fuzzq", "vllm", "generate")
     settings = JetStreamSettings()
     config = WorkerConfig(
-        nats=NatsConfig(servers=[nats_server.url]), subjects=subjects, max_concurrency=8
+        nats=NatsConfig(servers=[nats_server.url]),
+        subjects=subjects,
+        max_concurrency=8,
+        jetstream=dataclasses.replace(settings, capacity=8),
     )
-    nc = await connect(config.nats)
-    worker = NatsWorker(engine, nc, config)
-    await worker.start(jetstream=settings)
-    intake = JetStreamIntake(worker, nc, settings, 8)
-    await intake.start()
+    worker = await open_worker(engine, config)
     yield FuzzQueue(subjects, settings, worker)
-    await intake.stop()
     await worker.stop()
-    await nc.close()
 
 
 @fuzz_settings(300)

@@ -72,10 +72,10 @@ def api(base_url: str) -> openai.AsyncOpenAI:
 
 async def wait_engine_idle(engine, worker, within: float) -> float:
     started = time.monotonic()
-    while engine.num_unfinished_requests() != 0 or worker.in_flight != 0:
+    while engine.num_unfinished_requests() != 0 or worker.service.in_flight != 0:
         assert time.monotonic() - started < within, (
             f"engine holds {engine.num_unfinished_requests()} requests, worker "
-            f"{worker.in_flight} after {within}s"
+            f"{worker.service.in_flight} after {within}s"
         )
         await asyncio.sleep(0.02)
     return time.monotonic() - started
@@ -541,7 +541,7 @@ async def test_http_client_leaving_mid_stream_frees_the_engine(
                 seen += line.startswith("data: ")
                 if seen == 5:
                     break
-            assert engine.num_unfinished_requests() == 1 and worker.in_flight == 1
+            assert engine.num_unfinished_requests() == 1 and worker.service.in_flight == 1
     # The connection is closed here, mid-stream (450 tokens take seconds on this CPU).
     took = await wait_engine_idle(engine, worker, within=2.0)
     assert took < 2.0
@@ -563,7 +563,7 @@ async def test_http_client_leaving_a_non_streamed_request_frees_the_engine(
     async with httpx.AsyncClient(timeout=60) as http:
         posting = asyncio.create_task(http.post(frontend + "/completions", json=body))
         deadline = time.monotonic() + 30
-        while worker.in_flight == 0:
+        while worker.service.in_flight == 0:
             assert time.monotonic() < deadline, "the request never reached the worker"
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.3)
@@ -629,7 +629,7 @@ async def test_killed_frontend_process_frees_the_engine(
                     seen += line.startswith("data: ")
                     if seen == 5:
                         break
-                assert worker.in_flight == 1
+                assert worker.service.in_flight == 1
                 process.send_signal(signal.SIGKILL)
                 process.wait(timeout=10)
         # No cancel was sent: the worker's liveness probe (every 2 s) finds the inbox gone.

@@ -74,7 +74,7 @@ def ordinary_token(tokenizer: ModelTokenizer) -> int:
 
 async def wait_idle(engine, worker, within: float = 5.0) -> None:
     started = time.monotonic()
-    while engine.num_unfinished_requests() or worker.in_flight:
+    while engine.num_unfinished_requests() or worker.service.in_flight:
         assert time.monotonic() - started < within, "requests still running"
         await asyncio.sleep(0.02)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -21,12 +22,10 @@ from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.dev.fakes import AlwaysFailingFakeEngine
 from worker.nats.intake.jetstream import (
     JetStreamConfigError,
-    JetStreamIntake,
     ensure_stream_and_consumer,
     stream_name,
 )
-from worker.nats.worker import NatsWorker
-from worker.shared.nats_connection import connect
+from worker.nats.runtime import WorkerRuntime, open_worker
 
 PROMPT = [1, 300, 301, 302]
 
@@ -38,33 +37,26 @@ async def js_workers(nats_server):
 
     async def start(
         engine, subjects: Subjects, settings: JetStreamSettings, capacity: int = 8
-    ) -> NatsWorker:
+    ) -> WorkerRuntime:
         config = WorkerConfig(
-            nats=NatsConfig(servers=[nats_server.url]), subjects=subjects, max_concurrency=capacity
+            nats=NatsConfig(servers=[nats_server.url]),
+            subjects=subjects,
+            max_concurrency=capacity,
+            jetstream=dataclasses.replace(settings, capacity=capacity),
         )
-        nc = await connect(config.nats)
-        worker = NatsWorker(engine, nc, config)
-        await worker.start(jetstream=settings)
-        intake = JetStreamIntake(worker, nc, settings, capacity)
-        await intake.start()
-        made.append((worker, intake, nc))
+        worker = await open_worker(engine, config)
+        made.append(worker)
         return worker
 
-    async def stop(worker: NatsWorker) -> None:
-        for entry in made:
-            if entry[0] is worker:
-                made.remove(entry)
-                _, intake, nc = entry
-                await intake.stop()
-                await worker.stop()
-                await nc.close()
+    async def stop(worker: WorkerRuntime) -> None:
+        if worker in made:
+            made.remove(worker)
+            await worker.stop()
 
     start.stop = stop  # type: ignore[attr-defined]
     yield start
-    for worker, intake, nc in made:
-        await intake.stop()
+    for worker in made:
         await worker.stop()
-        await nc.close()
 
 
 async def stream_state(client, subjects: Subjects, settings: JetStreamSettings):
@@ -193,8 +185,10 @@ async def test_load_aware_pull_never_gives_a_busy_worker_a_second_request(
         )
     )
     assert all(c.choices[0].finish_reason == "length" for c, _ in results)
-    assert [w.peak_in_flight for w in workers] == [1, 1]
-    assert all(w.served > 0 for w in workers) and sum(w.served for w in workers) == 8
+    assert [w.service.peak_in_flight for w in workers] == [1, 1]
+    assert (
+        all(w.service.served > 0 for w in workers) and sum(w.service.served for w in workers) == 8
+    )
 
 
 async def test_incompatible_existing_stream_is_refused_with_a_clear_message(client) -> None:

@@ -25,8 +25,7 @@ from worker.client import complete, generate
 from worker.client.requests import make_request
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
-from worker.nats.worker import NatsWorker
-from worker.shared.nats_connection import connect
+from worker.nats.runtime import open_worker
 
 SUBJECT = TEST_SUBJECTS.generate
 PROMPT = [1, 300, 301, 302]
@@ -298,7 +297,7 @@ async def test_three_workers_share_sixty_requests(extra_worker, client) -> None:
     assert all(
         r.choices[0].finish_reason == "length" and len(r.choices[0].token_ids) == 4 for r in results
     )
-    served = [w.served for w in workers]
+    served = [w.service.served for w in workers]
     assert sum(served) == 60 and all(count > 0 for count in served), served
 
 
@@ -309,9 +308,8 @@ async def test_nats_server_restart_mid_load(engine) -> None:
         config = WorkerConfig(
             nats=NatsConfig(servers=[server.url], reconnect_wait_s=0.2), subjects=subjects
         )
-        worker_nc = await connect(config.nats)
-        worker = NatsWorker(engine, worker_nc, config)
-        await worker.start()
+        worker = await open_worker(engine, config)
+        worker_nc = worker.nc
         client = await nats.connect(server.url, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
         outcomes: list[str] = []
         first = asyncio.Event()
@@ -333,7 +331,7 @@ async def test_nats_server_restart_mid_load(engine) -> None:
 
         tasks = [asyncio.create_task(one(i)) for i in range(6)]
         await asyncio.wait_for(first.wait(), 30)
-        assert worker.in_flight == 6  # the outage hits mid-generation
+        assert worker.service.in_flight == 6  # the outage hits mid-generation
         server.kill()
         await asyncio.sleep(0.5)
         server.start()
@@ -350,10 +348,9 @@ async def test_nats_server_restart_mid_load(engine) -> None:
         )
         assert after.choices[0].finish_reason == "length"
         await wait_engine_idle(engine, within=20)
-        assert worker.in_flight == 0
+        assert worker.service.in_flight == 0
         await client.close()
         await worker.stop()
-        await worker_nc.close()
     finally:
         server.stop()
 
@@ -382,9 +379,8 @@ async def test_cluster_node_dies_worker_fails_over(engine) -> None:
         config = WorkerConfig(
             nats=NatsConfig(servers=[n.url for n in nodes], reconnect_wait_s=0.2), subjects=subjects
         )
-        worker_nc = await connect(config.nats)
-        worker = NatsWorker(engine, worker_nc, config)
-        await worker.start()
+        worker = await open_worker(engine, config)
+        worker_nc = worker.nc
         victim = next(n for n in nodes if n.port == worker_nc.connected_url.port)
         survivor = next(n for n in nodes if n is not victim)
         client = await nats.connect(survivor.url)
@@ -409,7 +405,7 @@ async def test_cluster_node_dies_worker_fails_over(engine) -> None:
 
         streaming = asyncio.create_task(one())
         await asyncio.wait_for(first.wait(), 30)
-        assert worker.in_flight == 1  # the node dies mid-generation
+        assert worker.service.in_flight == 1  # the node dies mid-generation
         victim.kill()
         await asyncio.wait_for(streaming, 30)  # ended (final frame or the client's deadline)
         assert len(outcomes) == 1
@@ -426,7 +422,6 @@ async def test_cluster_node_dies_worker_fails_over(engine) -> None:
         await wait_engine_idle(engine, within=20)
         await client.close()
         await worker.stop()
-        await worker_nc.close()
     finally:
         for node in nodes:
             node.stop()
@@ -442,9 +437,7 @@ async def test_server_requiring_auth_worker_connects_anonymous_refused(engine) -
             nats=NatsConfig(servers=[server.url], user="worker", password="s3cret"),
             subjects=subjects,
         )
-        worker_nc = await connect(config.nats)
-        worker = NatsWorker(engine, worker_nc, config)
-        await worker.start()
+        worker = await open_worker(engine, config)
         with pytest.raises(Exception) as refused:
             await nats.connect(
                 server.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2
@@ -459,7 +452,6 @@ async def test_server_requiring_auth_worker_connects_anonymous_refused(engine) -
         assert served.choices[0].finish_reason == "length"
         await client.close()
         await worker.stop()
-        await worker_nc.close()
     finally:
         server.stop()
 

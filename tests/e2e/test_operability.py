@@ -353,7 +353,7 @@ async def test_the_production_cli_requires_a_model_and_a_nats_url(capsys) -> Non
     """A misconfigured pod must not look ready on a random-weight model or a private broker:
     without --model and a NATS URL the worker exits 2 and says what is missing (--dev asks for
     the embedded defaults instead, as the demo does)."""
-    from worker.cli import serve
+    from worker.process import serve
 
     assert await serve(build_parser().parse_args([])) == 2
     assert "--model and --nats-url (or NATS_URL) required" in capsys.readouterr().err
@@ -371,8 +371,8 @@ async def test_nats_and_jetstream_trouble_refuse_before_the_model_loads(
     the worker tried to load it, it would have failed otherwise, minutes later on a GPU)."""
     from nats.js import api
 
-    from worker.cli import serve
     from worker.dev.embedded import NatsServer
+    from worker.process import serve
 
     missing_model = "/models/never-loaded"
 

@@ -104,7 +104,7 @@ def test_installed_only_on_the_vllm_releases_it_was_written_for(monkeypatch, cap
 
 
 def test_starting_an_engine_does_not_install_it() -> None:
-    """Only the composition root (worker.cli.serve) and the test session install it."""
+    """Only the composition root (worker.process.serve) and the test session install it."""
     import inspect
 
     from worker import cli

@@ -25,9 +25,9 @@ from worker.client.requests import make_request
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import PacedFakeEngine, SyntheticFastEngine
 from worker.metrics import WorkerMetrics
-from worker.nats.worker import NatsWorker
+from worker.nats.liveness import NatsReply
+from worker.nats.runtime import open_worker
 from worker.service import Delivery
-from worker.shared.nats_connection import connect
 
 PROMPT = [1, 300, 301, 302]
 
@@ -47,9 +47,7 @@ async def test_probe_cost_is_per_client_not_per_request(nats_server) -> None:
         liveness_interval_s=0.2,
         liveness_timeout_s=0.1,
     )
-    worker_nc = await connect(config.nats)
-    worker = NatsWorker(engine, worker_nc, config)
-    await worker.start()
+    worker = await open_worker(engine, config)
     clients = [await nats.connect(nats_server.url) for _ in range(2)]
     try:
         streams = [Tally(f"probe-{i}") for i in range(256)]
@@ -65,7 +63,7 @@ async def test_probe_cost_is_per_client_not_per_request(nats_server) -> None:
             for i, s in enumerate(streams)
         ]
         await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 30)
-        assert worker.in_flight == 256
+        assert worker.service.in_flight == 256
         before = worker.liveness.probes_sent
         await asyncio.sleep(1.0)  # five rounds
         sent = worker.liveness.probes_sent - before
@@ -77,7 +75,6 @@ async def test_probe_cost_is_per_client_not_per_request(nats_server) -> None:
         for nc in clients:
             await nc.close()
         await worker.stop()
-        await worker_nc.close()
 
 
 async def test_time_to_first_token_counts_from_the_messages_arrival(nats_server) -> None:
@@ -86,17 +83,16 @@ async def test_time_to_first_token_counts_from_the_messages_arrival(nats_server)
     config = WorkerConfig(
         nats=NatsConfig(servers=[nats_server.url]), subjects=Subjects("ttft", "fake", "generate")
     )
-    worker_nc = await connect(config.nats)
-    worker = NatsWorker(engine, worker_nc, config, metrics)
-    await worker.start()
+    worker = await open_worker(engine, config, metrics)
+    worker_nc = worker.nc
     inbox = worker_nc.new_inbox()
     sub = await worker_nc.subscribe(inbox)
     try:
         arrived = time.monotonic_ns() - 3_000_000_000  # taken from NATS 3 s ago
         payload = JSON.encode(make_request("ttft-1", PROMPT, max_tokens=2))
         headers = {"Content-Type": "application/json"}
-        delivery = Delivery(payload, headers, worker.reply(inbox), "ttft", arrived)
-        running = await worker.accept(delivery)
+        delivery = Delivery(payload, headers, NatsReply(worker.liveness, inbox), "ttft", arrived)
+        running = await worker.service.accept(delivery)
         assert isinstance(running, asyncio.Task)
         assert (await running).first_token_s >= 3.0
         frames = await _rest_of(sub, json=True)
@@ -110,7 +106,6 @@ async def test_time_to_first_token_counts_from_the_messages_arrival(nats_server)
     finally:
         await sub.unsubscribe()
         await worker.stop()
-        await worker_nc.close()
 
 
 @contextlib.asynccontextmanager
@@ -118,16 +113,13 @@ async def synthetic_worker(nats_server, client, subjects: Subjects) -> AsyncIter
     """A worker on the synthetic engine serving `subjects`, and a reply subscription of
     `client`'s (its subject is the subscription's); both gone afterwards."""
     config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects)
-    nc = await connect(config.nats)
-    worker = NatsWorker(SyntheticFastEngine(), nc, config)
-    await worker.start()
+    worker = await open_worker(SyntheticFastEngine(), config)
     subscription = await client.subscribe(client.new_inbox())
     try:
         yield subscription
     finally:
         await subscription.unsubscribe()
         await worker.stop()
-        await nc.close()
 
 
 async def test_synthetic_engine_frames_follow_the_wire_contract(nats_server, client) -> None:

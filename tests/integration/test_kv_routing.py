@@ -26,8 +26,7 @@ from worker.client.requests import make_request
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import FakePrefixCache, PacedFakeEngine
 from worker.nats.kv_publisher import KvPublisher
-from worker.nats.worker import NatsWorker
-from worker.shared.nats_connection import connect
+from worker.nats.runtime import WorkerRuntime, open_worker
 
 BLOCK = 4
 SYSTEM = list(range(100, 116))  # 4 blocks every conversation shares
@@ -38,11 +37,11 @@ CONVERSATION_B = SYSTEM + list(range(300, 324))
 @contextlib.asynccontextmanager
 async def fleet(
     url: str, subjects: Subjects
-) -> AsyncIterator[Callable[..., Awaitable[NatsWorker]]]:
+) -> AsyncIterator[Callable[..., Awaitable[WorkerRuntime]]]:
     """Starts workers on fake engines with prefix caches; stops them all at the end."""
-    made: list[tuple[NatsWorker, NATS]] = []
+    made: list[WorkerRuntime] = []
 
-    async def start(instance_id: str, **settings: object) -> NatsWorker:
+    async def start(instance_id: str, **settings: object) -> WorkerRuntime:
         settings.setdefault("load_interval_s", 0.2)
         config = WorkerConfig(
             nats=NatsConfig(servers=[url]),
@@ -51,18 +50,15 @@ async def fleet(
             **settings,  # type: ignore[arg-type]
         )
         engine = PacedFakeEngine(step_s=0.01, cache=FakePrefixCache(BLOCK))
-        nc = await connect(config.nats)
-        worker = NatsWorker(engine, nc, config)
-        await worker.start()
-        made.append((worker, nc))
+        worker = await open_worker(engine, config)
+        made.append(worker)
         return worker
 
     try:
         yield start
     finally:
-        for worker, nc in made:
+        for worker in made:
             await worker.stop()
-            await nc.close()
 
 
 @contextlib.asynccontextmanager

@@ -202,7 +202,7 @@ def test_the_dockerfile_installs_this_project_on_vllms_image_at_build_time() -> 
     ]
     assert 'ENTRYPOINT ["vllm-nats-worker"]' in lines
     pyproject = (ROOT / "pyproject.toml").read_text().splitlines()
-    assert 'vllm-nats-worker = "worker.cli:main"' in pyproject
+    assert 'vllm-nats-worker = "worker.process:main"' in pyproject
     # The image's vllm satisfies the gpu extra, so the install keeps the image's vllm and torch.
     assert 'gpu = ["vllm>=0.24.0"]' in pyproject
     assert any(line.startswith("frontend = [") for line in pyproject)

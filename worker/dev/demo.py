@@ -14,8 +14,9 @@ import logging
 import sys
 
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
-from worker.cli import Ready, build_parser, serve, setup_logging
+from worker.cli import build_parser
 from worker.client import connect, generate
+from worker.process import Ready, serve, setup_logging
 
 PROMPT = "Hello world → the tiny model says"
 TOP_K = 3

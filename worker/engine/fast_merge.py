@@ -14,7 +14,7 @@ indices; anything else goes to vLLM's own method. The result is the same contain
 (tests/test_vllm_fast_merge.py).
 
 It changes a vLLM class for the whole process, so it is explicit and bounded: only the worker's
-composition root (`worker.cli.serve`) and the test session install it, never the engine adapter
+composition root (`worker.process.serve`) and the test session install it, never the engine adapter
 as a side effect; it installs only on the vLLM versions whose FlatLogprobs it was written and
 tested against (`SUPPORTED`), and otherwise logs a warning and leaves vLLM as it is; `uninstall()`
 puts vLLM's method back (a benchmark's stock-vLLM baseline runs without it).

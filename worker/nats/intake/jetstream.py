@@ -37,13 +37,13 @@ from messages.errors import disposition
 from messages.subjects import REPLY_HEADER, Subjects
 from worker.config import JetStreamSettings
 from worker.errors import describe
-from worker.service import Delivery
+from worker.nats.discovery import Endpoint
+from worker.nats.liveness import Liveness, NatsReply
+from worker.service import Delivery, RequestService
 from worker.session import Outcome
 
 if TYPE_CHECKING:
     from nats.js.client import JetStreamContext
-
-    from worker.nats.worker import NatsWorker
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +132,20 @@ class JetStreamIntake:
     """
 
     def __init__(
-        self, worker: NatsWorker, nc: NATS, settings: JetStreamSettings, capacity: int
+        self,
+        service: RequestService,
+        nc: NATS,
+        liveness: Liveness,
+        subjects: Subjects,
+        settings: JetStreamSettings,
     ) -> None:
-        self.worker = worker
+        self.service = service
         self.nc = nc
+        self.liveness = liveness
+        self.subjects = subjects
         self.settings = settings
-        self.capacity = capacity
+        self.capacity = settings.capacity
+        self.endpoints: list[Endpoint] = []  # the queue is the stream's, not a subscription's
         self._subscription: JetStreamContext.PullSubscription | None = None
         self._task: asyncio.Task[None] | None = None
         self._settling: set[asyncio.Task[None]] = set()
@@ -145,9 +153,22 @@ class JetStreamIntake:
         self.failed = asyncio.Event()
         """Set when the pull loop died: the worker must exit (cli: exit status 1)."""
 
+    def describe(self) -> tuple[dict[str, str], str]:
+        stream = stream_name(self.subjects, self.settings)
+        metadata = {
+            "mode": "jetstream",
+            "stream": stream,
+            "consumer": self.settings.durable,
+            "queue_subject": self.subjects.queue,
+        }
+        serving = (
+            f"JetStream stream {stream} (consumer {self.settings.durable}, {self.subjects.queue})"
+        )
+        return metadata, serving
+
     async def start(self) -> None:
         js = self.nc.jetstream()
-        subjects = self.worker.config.subjects
+        subjects = self.subjects
         stream = await ensure_stream_and_consumer(js, subjects, self.settings)
         self._subscription = await js.pull_subscribe_bind(
             durable=self.settings.durable, stream=stream
@@ -173,12 +194,12 @@ class JetStreamIntake:
         # Load-aware: ask only for as many messages as there are free slots, so a busy worker
         # leaves the queue to idle peers (unlike a queue group's random pick).
         while not self._stopping:
-            await self.worker.wait_for_capacity(self.capacity)
+            await self.service.wait_for_capacity(self.capacity)
             if self._stopping:
                 return
             try:
                 messages = await subscription.fetch(
-                    batch=self.capacity - self.worker.in_flight,
+                    batch=self.capacity - self.service.in_flight,
                     timeout=self.settings.fetch_timeout_s,
                 )
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -199,8 +220,8 @@ class JetStreamIntake:
         return Delivery(
             msg.data,
             msg.headers,
-            self.worker.reply(reply),
-            self.worker.config.subjects.queue,
+            NatsReply(self.liveness, reply),
+            self.subjects.queue,
             time.monotonic_ns(),
             attempt=attempt,
             redelivers=attempt < self.settings.max_deliver,
@@ -218,7 +239,7 @@ class JetStreamIntake:
                 reply = (msg.headers or {}).get(REPLY_HEADER, "")
                 delivery = self._delivery(msg, reply)
                 if not delivery.redelivers and reply:
-                    await self.worker.answer_error(delivery, "internal_error", describe(error))
+                    await self.service.answer_error(delivery, "internal_error", describe(error))
                 await self._settle(msg, "internal_error", delivery.redelivers)
             except Exception:
                 log.exception("jetstream: could not settle a failed message (redelivered later)")
@@ -242,7 +263,7 @@ class JetStreamIntake:
             await msg.nak()
             return
         delivery = self._delivery(msg, reply)
-        admitted = await self.worker.accept(delivery)
+        admitted = await self.service.accept(delivery)
         if isinstance(admitted, str):  # refused: answered, unless left to a redelivery
             await self._settle(msg, admitted, delivery.redelivers)
             return
