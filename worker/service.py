@@ -29,6 +29,7 @@ from worker.engine.contract import Engine, EngineDead, InvalidRequest
 from worker.framing import FrameWriter
 from worker.metrics import WorkerMetrics
 from worker.session import Outcome, RequestSession, send_error
+from worker.shared.log_text import loggable
 from worker.validation import admit
 
 log = logging.getLogger(__name__)
@@ -240,7 +241,9 @@ class RequestService:
 
     def _client_gone(self, entry: InFlight) -> None:
         if not entry.task.done():
-            log.info("request %s: client gone, aborting", entry.session.request.request_id)
+            log.info(
+                "request %s: client gone, aborting", loggable(entry.session.request.request_id)
+            )
             entry.session.cancel(entry.task, "client_gone", "nobody listens on the reply subject")
 
     def cancel(self, request_id: str, reply_subject: str) -> int:
@@ -252,7 +255,7 @@ class RequestService:
                 entry.session.request.request_id == request_id
                 and entry.reply.subject == reply_subject
             ):
-                log.info("request %s cancelled by its client", request_id)
+                log.info("request %s cancelled by its client", loggable(request_id))
                 entry.session.cancel(entry.task)
                 cancelled += 1
         return cancelled
@@ -270,7 +273,7 @@ class RequestService:
         code: ErrorCode,
         message: str,
     ) -> None:
-        log.info("request %s %s error=%r", request_id or "-", code, message)
+        log.info("request %s %s error=%s", loggable(request_id or "-"), code, loggable(message))
         self._record(delivery, f"{code}: {message}")
         if self.metrics is not None:
             self.metrics.error(code)
@@ -283,7 +286,11 @@ class RequestService:
         try:
             outcome = await session.run()
         except EngineDead as dead:
-            log.error("engine dead while serving %s: %s", session.request.request_id, dead)
+            log.error(
+                "engine dead while serving %s: %s",
+                loggable(session.request.request_id),
+                loggable(dead),
+            )
             self.engine_dead.set()
             outcome = session.outcome
         finally:
@@ -311,13 +318,13 @@ class RequestService:
         ttft = f"{outcome.first_token_s * 1000:.1f}ms" if outcome.first_token_s is not None else "-"
         log.info(
             "request %s %s tokens=%d frames=%d ttft=%s total=%.1fms%s",
-            outcome.request_id,
+            loggable(outcome.request_id),
             outcome.label,
             outcome.completion_tokens,
             writer.frames_sent,
             ttft,
             elapsed * 1000,
-            f" error={outcome.error_message!r}" if outcome.error_code else "",
+            f" error={loggable(outcome.error_message)}" if outcome.error_code else "",
         )
 
     async def watch_engine(self) -> None:

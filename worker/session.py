@@ -26,6 +26,7 @@ from worker.engine.contract import Engine, EngineDead, EngineFailure
 from worker.errors import WorkerError, describe
 from worker.framing import FrameWriter, Undeliverable
 from worker.metrics import WorkerMetrics
+from worker.shared.log_text import loggable
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class RequestSession:
                 await self._fail(code or "internal_error", message)
         except Undeliverable as error:
             # Nothing can reach the client, an error frame included: record why, send nothing.
-            log.warning("request %s: %s", self.request.request_id, error)
+            log.warning("request %s: %s", loggable(self.request.request_id), loggable(error))
             self.outcome.error_code = error.code
             self.outcome.error_message = str(error)
         except EngineDead as error:
@@ -144,7 +145,7 @@ class RequestSession:
         except WorkerError as error:
             await self._fail(error.code, str(error))
         except Exception as error:  # a bug must not leave the client waiting
-            log.exception("request %s failed", self.request.request_id)
+            log.exception("request %s failed", loggable(self.request.request_id))
             await self._fail("internal_error", describe(error))
         finally:
             self.outcome.completion_tokens = sum(self._generated)
@@ -212,10 +213,16 @@ class RequestSession:
             try:
                 await self.writer.send(frame)
             except Undeliverable as error:
-                log.warning("request %s: cancel frame not sent: %s", self.request.request_id, error)
+                log.warning(
+                    "request %s: cancel frame not sent: %s",
+                    loggable(self.request.request_id),
+                    loggable(error),
+                )
                 return
             except Exception:
-                log.exception("could not send the cancel frame of %s", self.request.request_id)
+                log.exception(
+                    "could not send the cancel frame of %s", loggable(self.request.request_id)
+                )
 
     def _count_tokens(self, index: int, count: int) -> None:
         now = time.monotonic()
@@ -238,6 +245,10 @@ class RequestSession:
         try:
             await send_error(self.writer, self.request.request_id, code, message)
         except Undeliverable as error:
-            log.warning("request %s: error frame not sent: %s", self.request.request_id, error)
+            log.warning(
+                "request %s: error frame not sent: %s",
+                loggable(self.request.request_id),
+                loggable(error),
+            )
         except Exception:
-            log.exception("could not send the error frame of %s", self.request.request_id)
+            log.exception("could not send the error frame of %s", loggable(self.request.request_id))

@@ -44,6 +44,7 @@ from nats.aio.client import Client as NATS
 
 from messages.subjects import PROBE_HEADER
 from worker.framing import Undeliverable
+from worker.shared.log_text import loggable
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class Liveness:
                 )
         waited = time.monotonic() - waited_since
         if waited > 0.05:
-            log.info("frames to %s resume after %.2fs", listener.reply, waited)
+            log.info("frames to %s resume after %.2fs", loggable(listener.reply), waited)
 
     async def _probe_shared(self, listener: Listener) -> bool | None:
         """One probe of the listener at a time, however many publishers wait on it."""
@@ -206,7 +207,7 @@ class Liveness:
         except nats.errors.TimeoutError:
             pass
         except Exception as error:  # connection trouble: this round says nothing
-            log.debug("probe of %s failed: %r", listener.reply, error)
+            log.debug("probe of %s failed: %r", loggable(listener.reply), error)
             return None
         if not self.nc.is_connected or self._epoch() != epoch:
             return None  # the connection dropped meanwhile: the subscriber may not be back
@@ -227,7 +228,7 @@ class Liveness:
         listener.gone = True
         log.info(
             "nobody has listened on %s for %.1fs: client gone",
-            listener.reply,
+            loggable(listener.reply),
             now - listener.first_miss,
         )
         if listener.on_gone is not None:

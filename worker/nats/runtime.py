@@ -28,6 +28,7 @@ from worker.nats.intake import Intake, make_intake
 from worker.nats.kv_publisher import KvPublisher
 from worker.nats.liveness import Liveness
 from worker.service import RequestService, SubjectStats
+from worker.shared.log_text import loggable
 from worker.shared.nats_compat import flush_ordered
 from worker.shared.nats_connection import connect
 
@@ -166,7 +167,7 @@ class WorkerRuntime:
         try:
             cancel = codec_for(msg.headers, msg.data).decode_cancel(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as error:
-            log.warning("ignored an invalid cancel on %s: %s", msg.subject, error)
+            log.warning("ignored an invalid cancel on %s: %s", msg.subject, loggable(error))
             return
         self.service.cancel(cancel.request_id, cancel.reply_subject)
 

@@ -41,6 +41,7 @@ from worker.nats.discovery import Endpoint
 from worker.nats.liveness import Liveness, NatsReply
 from worker.service import Delivery, RequestService
 from worker.session import Outcome
+from worker.shared.log_text import loggable
 
 if TYPE_CHECKING:
     from nats.js.client import JetStreamContext
@@ -288,7 +289,7 @@ class JetStreamIntake:
             if outcome.requeue:
                 log.info(
                     "request %s attempt %s: NAK for another attempt",
-                    outcome.request_id,
+                    loggable(outcome.request_id),
                     delivery.attempt,
                 )
             await self._settle(msg, outcome.error_code, delivery.redelivers)
