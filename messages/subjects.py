@@ -63,3 +63,19 @@ class Subjects:
                 f"instance_id {instance_id!r} must be one NATS subject token, not {CANCEL_TOKEN!r}"
             )
         return f"{self.generate}.{instance_id}"
+
+    @classmethod
+    def parse(cls, subject: str) -> tuple[Subjects, str | None]:
+        """A generate subject `namespace.component.endpoint` → (its Subjects, None); an instance
+        subject `namespace.component.endpoint.<instance_id>` → (its Subjects, the id). The one
+        parser of request subjects; ValueError for anything else."""
+        tokens = subject.split(".")
+        if len(tokens) not in (3, 4) or (len(tokens) == 4 and tokens[3] == CANCEL_TOKEN):
+            raise ValueError(
+                f"not a generate subject (namespace.component.endpoint[.instance_id]): {subject!r}"
+            )
+        subjects = cls(*tokens[:3])
+        if len(tokens) == 3:
+            return subjects, None
+        subjects.instance(tokens[3])  # the same token rule as the instance subjects made here
+        return subjects, tokens[3]

@@ -316,7 +316,7 @@ async def test_jetstream_mode_seen_from_outside(
 
     subjects = Subjects("jsseen", "vllm", "generate")
     settings = JetStreamSettings()
-    with caplog.at_level(logging.INFO, logger="worker.nats.worker"):
+    with caplog.at_level(logging.INFO, logger="worker.nats.runtime"):
         worker = await js_workers(engine, subjects, settings)
     assert (
         "serving JetStream stream JSSEEN_VLLM_GENERATE (consumer vllm-workers, "

@@ -250,3 +250,17 @@ def test_request_roundtrip_defaults() -> None:
     assert back == request
     assert back.sampling_options.n == 1
     assert back.output_options.logprobs is None
+
+
+def test_subjects_parse_reads_generate_and_instance_subjects_and_nothing_else() -> None:
+    assert Subjects.parse("llm.vllm.generate") == (Subjects("llm", "vllm", "generate"), None)
+    subjects, instance = Subjects.parse("ns.comp.ep.abc123")
+    assert (subjects.generate, subjects.cancel, instance) == (
+        "ns.comp.ep",
+        "ns.comp.ep.cancel",
+        "abc123",
+    )
+    assert subjects.queue == "ns.comp.queue.ep"
+    for bad in ("foo", "a.b", "a.b.c.d.e", "a.b.c.cancel", "a.b.*", "a.b.c.>", "a..c"):
+        with pytest.raises(ValueError):
+            Subjects.parse(bad)

@@ -11,9 +11,8 @@
 
 from worker.client.library import (
     WorkerInstance,
-    cancel_subject_for,
     complete,
-    connect,
+    connect_url,
     discover_workers,
     find_worker,
     generate,
@@ -50,9 +49,8 @@ __all__ = [
     "RequestEnd",
     "RequestError",
     "WorkerInstance",
-    "cancel_subject_for",
     "complete",
-    "connect",
+    "connect_url",
     "discover_workers",
     "find_worker",
     "fold",

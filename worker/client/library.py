@@ -26,12 +26,13 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.micro.service import ServiceInfo, ServiceStats
 
 from messages.codec import JSON, MSGPACK, Codec
 from messages.errors import is_refusal
 from messages.frames import ErrorInfo, ResponseFrame
 from messages.request import CancelRequest, GenerateRequest
-from messages.subjects import CANCEL_TOKEN, REPLY_HEADER, SERVICE_NAME, Subjects
+from messages.subjects import REPLY_HEADER, SERVICE_NAME, Subjects
 from worker.client.reader import (
     Completion,
     Inbox,
@@ -155,11 +156,11 @@ async def find_worker(
     async with aclosing(discovery_answers(nc, f"$SRV.INFO.{name}", window)) as answers:
         async for data in answers:
             try:
-                info = json.loads(data)
-                metadata = dict(info.get("metadata") or {})
-                subjects = {e.get("subject") for e in info.get("endpoints") or []}
-            except (ValueError, TypeError, AttributeError):
+                info = ServiceInfo.from_dict(json.loads(data))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # not a micro INFO answer
+            metadata = dict(info.metadata or {})
+            subjects = {e.subject for e in info.endpoints}
             if (queue is None and generate_subject in subjects) or (
                 queue is not None and metadata.get("queue_subject") == queue
             ):
@@ -169,32 +170,28 @@ async def find_worker(
 
 def _instance_from_stats(data: bytes, generate_subject: str) -> WorkerInstance | None:
     try:
-        stats = json.loads(data)
-        endpoints = stats.get("endpoints") or []
-        subjects = {e.get("subject"): e for e in endpoints}
-        if generate_subject not in subjects:
-            return None  # a worker of other subjects (or JetStream mode: no core endpoints)
-        instance_id = stats["metadata"]["instance_id"]
-        limit = stats["metadata"].get("max_concurrency", "unlimited")
-        in_flight = int((subjects[generate_subject].get("data") or {}).get("in_flight", 0))
-        return WorkerInstance(
-            instance_id,
-            f"{generate_subject}.{instance_id}",
-            in_flight,
-            None if limit == "unlimited" else int(limit),
-            stats["metadata"].get("engine_id"),
-            stats["metadata"].get("kv_events") != "load-only",
-        )
+        stats = ServiceStats.from_dict(json.loads(data))
     except (ValueError, KeyError, TypeError, AttributeError):
+        return None  # not a micro STATS answer
+    endpoint = next((e for e in stats.endpoints if e.subject == generate_subject), None)
+    metadata = stats.metadata or {}
+    if endpoint is None or "instance_id" not in metadata:
+        return None  # a worker of other subjects (or JetStream mode: no core endpoints)
+    instance_id = metadata["instance_id"]
+    limit = metadata.get("max_concurrency", "unlimited")
+    try:
+        in_flight = int((endpoint.data or {}).get("in_flight", 0))
+        max_concurrency = None if limit == "unlimited" else int(limit)
+    except (ValueError, TypeError):
         return None
-
-
-def _split_subject(subject: str) -> tuple[str, str | None]:
-    """`a.b.c` → (`a.b.c`, None); the instance subject `a.b.c.<id>` → (`a.b.c`, `<id>`)."""
-    tokens = subject.split(".")
-    if len(tokens) == 4:
-        return ".".join(tokens[:3]), tokens[3]
-    return subject, None
+    return WorkerInstance(
+        instance_id,
+        f"{generate_subject}.{instance_id}",
+        in_flight,
+        max_concurrency,
+        metadata.get("engine_id"),
+        metadata.get("kv_events") != "load-only",
+    )
 
 
 async def generate(
@@ -215,14 +212,14 @@ async def generate(
     module's docstring); when none is left, RequestError names the code and every refusal.
     Any other error frame, and a retryable one after output began, is yielded as it came.
     """
-    subject = subject or Subjects().generate
-    base, instance_id = _split_subject(subject)
+    subjects, instance_id = Subjects.parse(subject or Subjects().generate)
+    base = subjects.generate
     refused: set[str] = set()
     refusals: list[str] = []
     last: ErrorInfo | None = None
-    target = subject
+    target = subject or base
     # Every target is the queue group or an instance subject under it: one cancel subject.
-    cancel_subject = cancel_subject_for(subject)
+    cancel_subject = subjects.cancel
     for attempt in range(retries + 1):
         yielded = False
         refusal: ErrorInfo | None = None
@@ -273,12 +270,6 @@ async def generate(
         target, instance_id = chosen.subject, chosen.instance_id
     assert last is not None
     raise RequestError(last.code, f"refused after {attempt + 1} attempt(s): " + "; ".join(refusals))
-
-
-def cancel_subject_for(subject: str) -> str:
-    """`a.b.c` or the instance subject `a.b.c.<id>` → `a.b.c.cancel`."""
-    tokens = subject.split(".")
-    return Subjects(*tokens[:3]).cancel if len(tokens) >= 3 else f"{subject}.{CANCEL_TOKEN}"
 
 
 async def complete(
@@ -361,12 +352,7 @@ async def jetstream_stream(
 def subjects_of(generate_subject: str) -> Subjects:
     """The Subjects of a generate subject `namespace.component.endpoint` (an instance subject's
     too), e.g. for its JetStream queue subject."""
-    tokens = generate_subject.split(".")
-    if len(tokens) not in (3, 4):
-        raise ValueError(
-            f"not a generate subject (namespace.component.endpoint): {generate_subject}"
-        )
-    return Subjects(*tokens[:3])
+    return Subjects.parse(generate_subject)[0]
 
 
 async def jetstream_complete(
@@ -390,7 +376,7 @@ async def jetstream_complete(
     return fold(request.request_id, frames, request.sampling_options.n), attempts
 
 
-async def connect(url: str, **options: Any) -> NATS:
+async def connect_url(url: str, **options: Any) -> NATS:
     """A publisher's NATS connection (nats-py's, with its options), for callers that import only
     the client package."""
     return await nats.connect(url, **options)

@@ -15,7 +15,7 @@ import sys
 
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from worker.cli import build_parser
-from worker.client import connect, generate
+from worker.client import connect_url, generate
 from worker.process import Ready, serve, setup_logging
 
 PROMPT = "Hello world → the tiny model says"
@@ -30,7 +30,7 @@ def _show(token: str, raw: bytes) -> str:
 async def send_demo_request(ready: Ready, model: str) -> int:
     from transformers import AutoTokenizer
 
-    client = await connect(ready.nats_url)
+    client = await connect_url(ready.nats_url)
     try:
         token_ids = AutoTokenizer.from_pretrained(model)(PROMPT).input_ids
         request = GenerateRequest(

@@ -291,9 +291,6 @@ class VllmEngine:
             output.stop_reason if finish == "stop" else None,
         )
 
-    async def abort(self, engine_request_id: str) -> None:
-        await self._llm.abort(engine_request_id)
-
     def num_unfinished_requests(self) -> int:
         # AsyncLLM.get_num_unfinished_requests() came after 0.24 (which raised here, so every
         # STATS answer failed on the GPU); the output processor it delegates to has it in both.
