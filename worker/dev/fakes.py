@@ -9,25 +9,33 @@ Each implements the engine contract (worker/engine/contract.py) without a model:
 - `AlwaysFailingFakeEngine` fails every request (retry and JetStream redelivery tests);
 - `FakePrefixCache`: an LRU cache of prompt blocks with engine-like events (stored with parent
   hashes and token ids, removed, cleared), given to `PacedFakeEngine` so KV-aware routing is
-  tested fast; the end-to-end tests read the real engine's events.
+  tested fast; the end-to-end tests read the real engine's events;
+- `ScriptedFakeEngine` streams the steps a test wrote (prompt rows, stop reasons, a choice that
+  ends in error, a stream cut short) and may then raise (an engine failure, a dead engine); it
+  records each request and each stream closed before its end (an abort);
+- `MemoryReply`: the service core's `Reply` (worker/service.py) in memory, so the request path
+  (worker/service.py, worker/session.py) is unit-tested without a nats-server: it keeps every
+  published frame, and a test declares its client gone or its frames undeliverable.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from messages.frames import FinishReason, TopLogprob
 from messages.kv import AllCleared, BlockHash, BlocksRemoved, BlocksStored, KvEvent
 from messages.request import GenerateRequest
 from worker.engine.contract import (
     ChoiceDelta,
+    EngineDead,
     EngineFailure,
     EngineLimits,
     EngineLoad,
     EngineStep,
 )
+from worker.framing import Undeliverable
 
 
 class FakePrefixCache:
@@ -259,3 +267,119 @@ class AlwaysFailingFakeEngine:
 
     def shutdown(self) -> None:
         return None
+
+
+class ScriptedFakeEngine:
+    """A fake engine (tests only) that streams the same written steps for every request, one
+    every `step_s`, then raises `then_raise` if given (e.g. EngineFailure, EngineDead) or ends.
+
+    It records what the service handed it (`requests`: the request and its engine request id)
+    and how many streams were closed before their end (`closed_early`: the session aborted the
+    engine request). `dead`, when set, is what `check_health` raises.
+    """
+
+    def __init__(
+        self,
+        steps: Sequence[EngineStep] = (),
+        *,
+        limits: EngineLimits | None = None,
+        step_s: float = 0.0,
+        then_raise: BaseException | None = None,
+    ) -> None:
+        self.steps = list(steps)
+        self.limits = limits or EngineLimits(
+            model="scripted-fake", max_logprobs=20, vocab_size=1024, max_model_len=512
+        )
+        self.step_s = step_s
+        self.then_raise = then_raise
+        self.requests: list[tuple[GenerateRequest, str]] = []
+        self.closed_early = 0
+        self.running = 0
+        self.dead: EngineDead | None = None
+
+    async def generate(
+        self, request: GenerateRequest, engine_request_id: str
+    ) -> AsyncGenerator[EngineStep, None]:
+        self.requests.append((request, engine_request_id))
+        self.running += 1
+        try:
+            for step in self.steps:
+                await asyncio.sleep(self.step_s)
+                yield step
+            if self.then_raise is not None:
+                raise self.then_raise
+        except (GeneratorExit, asyncio.CancelledError):
+            self.closed_early += 1  # closed at a step (aclose) or cancelled between steps
+            raise
+        finally:
+            self.running -= 1
+
+    async def abort(self, engine_request_id: str) -> None:
+        return None
+
+    def num_unfinished_requests(self) -> int:
+        return self.running
+
+    def kv_events(self) -> None:
+        return None
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(self.running, 0, 0.0)
+
+    async def check_health(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+
+    def shutdown(self) -> None:
+        return None
+
+
+class MemoryReply:
+    """A request's reply subject in memory: the service core's `Reply` (worker/service.py) for
+    unit tests of the request path, where worker/nats/liveness.py's `NatsReply` needs a server.
+
+    `published` holds every frame as encoded bytes, in order. `go_away()` is what the liveness
+    prober does when the client is found gone: the watcher's `on_gone` runs once (not after
+    `release`). Publishing fails with `Undeliverable` after `undeliverable_after` frames (None:
+    never), as a publish fails when the broker stays unreachable.
+    """
+
+    def __init__(
+        self, subject: str = "_INBOX.memory.1", *, undeliverable_after: int | None = None
+    ) -> None:
+        self.subject = subject
+        self.undeliverable_after = undeliverable_after
+        self.published: list[bytes] = []
+        self.on_gone: Callable[[], None] | None = None
+        self.released = False
+        self._gone_called = False
+        self._arrived = asyncio.Event()
+
+    async def publish(self, data: bytes) -> None:
+        limit = self.undeliverable_after
+        if limit is not None and len(self.published) >= limit:
+            raise Undeliverable(f"nobody listens on {self.subject}")
+        self.published.append(data)
+        self._arrived.set()
+
+    def watch(self, on_gone: Callable[[], None]) -> None:
+        self.on_gone = on_gone
+
+    def release(self) -> None:
+        self.released = True
+
+    def go_away(self) -> None:
+        """The client is gone: calls `on_gone` once, if the request is still watched."""
+        if self.on_gone is not None and not self.released and not self._gone_called:
+            self._gone_called = True
+            self.on_gone()
+
+    async def wait_for_frames(self, count: int, timeout: float = 5.0) -> None:
+        """Returns once at least `count` frames were published; TimeoutError after `timeout`."""
+
+        async def enough() -> None:
+            while len(self.published) < count:
+                self._arrived.clear()
+                await self._arrived.wait()
+
+        await asyncio.wait_for(enough(), timeout)
