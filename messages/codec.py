@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import msgspec
 
@@ -24,13 +24,19 @@ MSGPACK_CONTENT_TYPE = "application/msgpack"
 JSON_CONTENT_TYPE = "application/json"
 
 
+_T = TypeVar("_T")
+_Decoder: TypeAlias = "msgspec.msgpack.Decoder[_T] | msgspec.json.Decoder[_T]"
+
+
 @dataclass(frozen=True)
 class Codec:
     content_type: str
-    _encoder: Any
-    _request_decoder: Any
-    _frame_decoder: Any
-    _cancel_decoder: Any
+    _encoder: msgspec.msgpack.Encoder | msgspec.json.Encoder
+    _request_decoder: (
+        msgspec.msgpack.Decoder[GenerateRequest] | msgspec.json.Decoder[GenerateRequest]
+    )
+    _frame_decoder: msgspec.msgpack.Decoder[ResponseFrame] | msgspec.json.Decoder[ResponseFrame]
+    _cancel_decoder: msgspec.msgpack.Decoder[CancelRequest] | msgspec.json.Decoder[CancelRequest]
 
     def encode(self, obj: Any) -> bytes:
         return self._encoder.encode(obj)

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from worker.config import dev_cache_dir
 
@@ -63,7 +64,7 @@ def _corpus(seed: int = 0, sentences: int = 3000) -> list[str]:
     return lines
 
 
-def _train_tokenizer():  # -> tokenizers.Tokenizer
+def _train_tokenizer() -> Any:  # tokenizers.Tokenizer
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))

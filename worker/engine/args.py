@@ -47,7 +47,7 @@ def parser(
 
     searchable = hasattr(FlexibleArgumentParser, "_search_keyword")
 
-    class WorkerArgumentParser(FlexibleArgumentParser):
+    class WorkerArgumentParser(FlexibleArgumentParser):  # type: ignore[misc]  # vLLM: untyped
         def format_help(self) -> str:
             if not searchable or getattr(self, "_search_keyword", None) is not None:
                 return str(super().format_help())
@@ -84,7 +84,8 @@ def explicit_defaults(base: type[argparse.HelpFormatter]) -> type[argparse.HelpF
         def _get_help_string(self, action: argparse.Action) -> str | None:
             if action.help and "(default:" in action.help:
                 return action.help
-            return super()._get_help_string(action)
+            help_string: str | None = super()._get_help_string(action)
+            return help_string
 
     return ExplicitDefaults
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 FALLBACK_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 DATE_FORMAT = "%m-%d %H:%M:%S"
@@ -35,7 +35,13 @@ def _vllm_formatter() -> logging.Formatter | None:
     return None
 
 
-class VllmFormatHandler(logging.StreamHandler):
+if TYPE_CHECKING:
+    _StreamHandler = logging.StreamHandler[IO[str]]
+else:  # subscriptable at run time only from Python 3.11 on
+    _StreamHandler = logging.StreamHandler
+
+
+class VllmFormatHandler(_StreamHandler):
     """A stream handler that formats as vLLM's handler does now (see the module's doc). Each
     line is one write (StreamHandler writes message and terminator together), so lines of
     processes sharing a pipe stay whole."""

@@ -292,9 +292,9 @@ class VllmEngine:
         )
 
     def num_unfinished_requests(self) -> int:
-        # AsyncLLM.get_num_unfinished_requests() came after 0.24 (which raised here, so every
-        # STATS answer failed on the GPU); the output processor it delegates to has it in both.
-        return self._llm.output_processor.get_num_unfinished_requests()
+        # vLLM 0.24's AsyncLLM has no get_num_unfinished_requests(); the output processor that
+        # method delegates to (on 0.32) has it in both.
+        return int(self._llm.output_processor.get_num_unfinished_requests())
 
     def kv_events(self) -> VllmKvEvents | None:
         return VllmKvEvents.of(self._llm.vllm_config)
@@ -328,7 +328,7 @@ class SchedulerLoad:
 
         holder = self
 
-        class LatestSchedulerStats(StatLoggerBase):
+        class LatestSchedulerStats(StatLoggerBase):  # type: ignore[misc]  # vLLM: untyped
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 pass
 

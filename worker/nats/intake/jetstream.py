@@ -60,7 +60,9 @@ def stream_name(subjects: Subjects, settings: JetStreamSettings) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", raw).upper()
 
 
-async def ensure_stream_and_consumer(js, subjects: Subjects, settings: JetStreamSettings) -> str:
+async def ensure_stream_and_consumer(
+    js: JetStreamContext, subjects: Subjects, settings: JetStreamSettings
+) -> str:
     """Creates the stream and consumer, or checks existing ones; returns the stream name."""
     name = stream_name(subjects, settings)
     subject = subjects.queue
