@@ -36,7 +36,7 @@ def route_label(path: str) -> str:
 MAX_ENGINE_LABELS = 64
 """Engines labelled by id in the routed-request series, per frontend process; later ones are
 "other". An engine id is new at every worker start, and prometheus-client's multiprocess mode
-cannot remove a series, so without a bound a long-lived frontend's series grew with every
+cannot remove a series, so without a bound a long-lived frontend's series would grow with every
 worker restart."""
 
 
@@ -96,6 +96,11 @@ class FrontendMetrics:
             multiprocess_mode="liveall",
         )
         self._engine_labels: set[str] = set()
+
+    def count_usage(self, usage: dict[str, int]) -> None:
+        """An answered request's tokens (its `usage`)."""
+        self.tokens.labels("prompt").inc(usage["prompt_tokens"])
+        self.tokens.labels("completion").inc(usage["completion_tokens"])
 
     def count_route(self, route: Route) -> None:
         """One routed request, under its engine's label ("queue": the queue group)."""

@@ -1,4 +1,6 @@
-"""Frames → OpenAI's shapes: choices, logprobs, chunks, usage.
+"""Frames → OpenAI's shapes, one choice at a time: its text (stop strings cut), its logprobs
+(chat's `content[]`, completions' `tokens`/`token_logprobs`/`top_logprobs`/`text_offset`), the
+echoed prompt, finish and stop reasons; and the bodies of usage, `/v1/models` and `/tokenize`.
 
 Invariants carried over from the wire (messages/frames.py): a frame's `log_probs` and
 `top_logprobs` rows are aligned with its `token_ids`, and each row holds the top k candidates in
@@ -13,6 +15,7 @@ floored at -9999.0 as vLLM's server does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,4 +272,35 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def model_list(names: Sequence[str], root: str, max_model_len: int | None) -> dict[str, Any]:
+    """`/v1/models`: each served name (`root`: the model's directory, else the name)."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm-nats-worker",
+                "root": root or name,
+                "parent": None,
+                "max_model_len": max_model_len,
+            }
+            for name in names
+        ],
+    }
+
+
+def tokenize_body(
+    token_ids: list[int], max_model_len: int | None, token_strs: list[str] | None
+) -> dict[str, Any]:
+    """`/tokenize`, as vLLM's server answers it."""
+    return {
+        "count": len(token_ids),
+        "max_model_len": max_model_len,
+        "tokens": token_ids,
+        "token_strs": token_strs,
     }

@@ -1,5 +1,5 @@
 """OpenAI request bodies and their rules (pydantic; FastAPI turns a broken rule into a 400 that
-names the field, see app.py).
+names the field, see errors.py).
 
 Every field is honoured or refused with a 400 that names it, never silently ignored, as the
 worker does on the wire: `best_of`, `suffix`, tools, response formats,

@@ -1,0 +1,20 @@
+"""The frontend's HTTP routes, one APIRouter per endpoint group; each handler parses its body,
+calls the FrontendService (`app.state.service`) and the pure shaping functions, and returns.
+
+- `completions.py`: `/v1/completions`; `chat.py`: `/v1/chat/completions`;
+- `models.py`: `/v1/models`; `tokenize.py`: vLLM's `/tokenize` and `/detokenize`;
+- `system.py`: `/health`, `/metrics`, `/version`;
+- `common.py`: the service dependency and the answer as a JSON body or an SSE stream.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from worker.frontend.routes.chat import router as chat
+from worker.frontend.routes.completions import router as completions
+from worker.frontend.routes.models import router as models
+from worker.frontend.routes.system import router as system
+from worker.frontend.routes.tokenize import router as tokenize
+
+ROUTERS: tuple[APIRouter, ...] = (system, models, tokenize, completions, chat)

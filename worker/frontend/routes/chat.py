@@ -1,0 +1,31 @@
+"""`POST /v1/chat/completions`: the messages rendered with the model's chat template, one NATS
+request."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from worker.frontend.answers import ChatAnswer, ResponseEnvelope
+from worker.frontend.generate_requests import chat_logprobs, chat_request, new_request_id
+from worker.frontend.prompts import encode_messages
+from worker.frontend.routes.common import Service, respond
+from worker.frontend.schemas import ChatCompletionRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, service: Service
+) -> JSONResponse | StreamingResponse:
+    model = service.served_name(body.model)
+    prompt_ids = encode_messages(
+        service.tokenizer, body.messages, template_kwargs=body.chat_template_kwargs
+    )
+    request_id = new_request_id("chatcmpl")
+    service.log_accepted(request_id, model, body.user, 1)
+    envelope = ResponseEnvelope(request_id, model)
+    answer = ChatAnswer(envelope, service.tokenizer, len(prompt_ids), body, chat_logprobs(body))
+    generate_request = chat_request(body, request_id, prompt_ids)
+    return await respond(service, request, body, answer, [generate_request])

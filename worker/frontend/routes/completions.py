@@ -1,0 +1,29 @@
+"""`POST /v1/completions`: a prompt, its token ids, or a batch of either (one NATS request per
+prompt, answered as one response)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from worker.frontend.answers import CompletionAnswer, ResponseEnvelope
+from worker.frontend.generate_requests import completion_requests, new_request_id
+from worker.frontend.prompts import encode_prompts
+from worker.frontend.routes.common import Service, respond
+from worker.frontend.schemas import CompletionRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(
+    body: CompletionRequest, request: Request, service: Service
+) -> JSONResponse | StreamingResponse:
+    model = service.served_name(body.model)
+    prompts = encode_prompts(service.tokenizer, body.prompts, body.batched)
+    request_id = new_request_id("cmpl")
+    service.log_accepted(request_id, model, body.user, len(prompts))
+    envelope = ResponseEnvelope(request_id, model)
+    answer = CompletionAnswer(envelope, service.tokenizer, prompts, body)
+    generate_requests = completion_requests(body, request_id, prompts)
+    return await respond(service, request, body, answer, generate_requests)
