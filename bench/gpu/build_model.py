@@ -1,12 +1,12 @@
 """A ~1B-parameter random-weight Llama (bf16) with a 32k tokenizer trained here: the GPU runs'
-model (issue 7). No model hub on the device machine; everything is seeded.
+model. No model hub on the device machine; everything is seeded.
 
 `--size 8b` builds Llama-3-8B's shape instead (hidden 4096, intermediate 14336, 32 layers, 32
 heads, 8 KV heads; with this 32k vocabulary 7.24 B parameters, ~14.5 GB of safetensors): the
-model of the multi-GPU runs (issue 19), big enough that tensor parallelism matters. It is
-initialised in bf16 directly on the device (random init of 7.2 B parameters in fp32 and a cast
-would need ~45 GB and take longer); the 1b model is built exactly as before (fp32, then cast),
-so its weights do not change.
+model of the multi-GPU runs, big enough that tensor parallelism matters. It is initialised in
+bf16 directly on the device (random init of 7.2 B parameters in fp32 and a cast would need
+~45 GB and take longer); the 1b model is initialised in fp32 and then cast, so that its weights
+stay the ones every recorded 1b figure (bench/RESULTS.md) was measured with.
 
 The tokenizer is Llama-like (Metaspace, BPE with byte fallback, the 256 `<0xNN>` byte tokens in
 the vocabulary), trained on random syllable words until it has VOCAB pieces, so token text and

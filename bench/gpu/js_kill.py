@@ -1,4 +1,4 @@
-"""JetStream mode under load with a worker SIGKILLed mid-run (issue 19): is any request lost?
+"""JetStream mode under load with a worker SIGKILLed mid-run: is any request lost?
 
 Publishes `--requests` greedy requests (`--max-tokens` each, ignore_eos, logprobs k) at once to
 the work queue with the client library's JetStream publisher, reads every one to its end, and

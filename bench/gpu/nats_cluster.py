@@ -1,4 +1,4 @@
-"""A 3-node nats-server cluster on loopback with JetStream on (issue 19's scale-out runs).
+"""A 3-node nats-server cluster on loopback with JetStream on (the multi-GPU scale-out runs).
 
 Node i (0, 1, 2) serves clients on 127.0.0.1:<base + i>, cluster routes on <base + 2000 + i>
 and monitoring (`/routez`, `/jsz`) on <base + 4000 + i>; every node lists all three routes, so
@@ -6,9 +6,9 @@ the mesh forms whichever starts first. The servers run detached (their own sessi
 in `<dir>/nK.pid`, so a later shell (or a later device call while the machine is warm) stops
 them with `stop`.
 
-    python -m bench.gpu.nats_cluster start [--dir /tmp/g19-nats] [--base-port 4222]
+    python -m bench.gpu.nats_cluster start [--dir /tmp/multi-gpu-nats] [--base-port 4222]
     python -m bench.gpu.nats_cluster check [--base-port 4222]   # routes + a JetStream stream
-    python -m bench.gpu.nats_cluster stop [--dir /tmp/g19-nats]
+    python -m bench.gpu.nats_cluster stop [--dir /tmp/multi-gpu-nats]
 
 `start` returns once every node has its two routes and a JetStream stream can be created
 (a meta leader is elected), and prints the client URLs, one per line (`nats://127.0.0.1:4222`
@@ -32,7 +32,7 @@ from pathlib import Path
 from worker.dev.embedded import nats_server_binary
 
 NODES = 3
-CLUSTER_NAME = "g19"
+CLUSTER_NAME = "bench"
 
 
 def ports(base: int, i: int) -> tuple[int, int, int]:
@@ -120,8 +120,10 @@ async def _jetstream_ready(url: str, timeout: float) -> None:
     try:
         while time.monotonic() < deadline:
             try:
-                await js.add_stream(api.StreamConfig(name="G19_READY", subjects=["g19.ready"]))
-                await js.delete_stream("G19_READY")
+                await js.add_stream(
+                    api.StreamConfig(name="CLUSTER_READY", subjects=["cluster.ready"])
+                )
+                await js.delete_stream("CLUSTER_READY")
                 return
             except Exception as e:  # no meta leader yet: "JetStream system temporarily unavailable"
                 error = e
@@ -159,11 +161,11 @@ async def check(base: int) -> None:
     print("routes per node:", route_counts(base))
     a, b, c = [await nats.connect(u) for u in node_urls]
     try:
-        sub = await a.subscribe("g19.check")
+        sub = await a.subscribe("cluster.check")
         await a.flush()
         # Interest propagates over the routes asynchronously: publish until it arrives.
         for _ in range(50):
-            await c.publish("g19.check", b"across")
+            await c.publish("cluster.check", b"across")
             await c.flush()
             try:
                 msg = await sub.next_msg(timeout=0.1)
@@ -174,17 +176,17 @@ async def check(base: int) -> None:
             raise SystemExit("FAIL: a message published on node 2 never reached node 0")
         print(f"ok core: node 2 → node 0 ({msg.data.decode()})")
         js_b, js_c = b.jetstream(timeout=5.0), c.jetstream(timeout=5.0)
-        await js_b.add_stream(api.StreamConfig(name="G19_CHECK", subjects=["g19.js"]))
+        await js_b.add_stream(api.StreamConfig(name="CLUSTER_CHECK", subjects=["cluster.js"]))
         try:
             for i in range(10):
-                await js_b.publish("g19.js", str(i).encode())
-            info = await js_c.stream_info("G19_CHECK")
+                await js_b.publish("cluster.js", str(i).encode())
+            info = await js_c.stream_info("CLUSTER_CHECK")
             if info.state.messages != 10:
                 raise SystemExit(f"FAIL: stream has {info.state.messages} messages, wanted 10")
             leader = info.cluster.leader if info.cluster else "?"
             print(f"ok jetstream: 10 messages via node 1, seen from node 2 (leader {leader})")
         finally:
-            await js_b.delete_stream("G19_CHECK")
+            await js_b.delete_stream("CLUSTER_CHECK")
     finally:
         for nc in (a, b, c):
             await nc.close()
@@ -195,7 +197,7 @@ def main() -> None:
         prog="python -m bench.gpu.nats_cluster", description=__doc__.splitlines()[0]
     )
     parser.add_argument("action", choices=("start", "stop", "check"))
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/g19-nats"))
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/multi-gpu-nats"))
     parser.add_argument("--base-port", type=int, default=4222)
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()

@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1
   nats-server --version
   python3 -c "import worker.engine.vllm_adapter, worker.cli, worker.engine.scaleout; from vllm.logprobs import FlatLogprobs; print('worker imports ok; FlatLogprobs', sorted(FlatLogprobs.__dataclass_fields__))"
 } 2>&1 | tee "$OUT/setup.txt"
-# SIZES="1b 8b" (or "8b") also builds Llama-3-8B's shape in /tmp/llama-8b (issue 19, ~15 GB).
+# SIZES="1b 8b" (or "8b") also builds Llama-3-8B's shape in /tmp/llama-8b (multi-GPU, ~15 GB).
 for size in ${SIZES:-1b}; do
   [ -f "/tmp/llama-$size/config.json" ] || python3 -m bench.gpu.build_model "/tmp/llama-$size" \
     --size "$size" 2>&1 | tail -3 | tee -a "$OUT/setup.txt"

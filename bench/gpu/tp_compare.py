@@ -1,4 +1,4 @@
-"""Tensor parallel against TP = 1 on the same model (issue 19): greedy tokens and logprobs.
+"""Tensor parallel against TP = 1 on the same model: greedy tokens and logprobs.
 
 `record` sends a fixed set of prompts (seeded random token ids of several lengths), one at a
 time, through the running worker with the client library (`worker.client.complete`): greedy,

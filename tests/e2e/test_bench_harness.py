@@ -1,6 +1,7 @@
-"""The benchmark harness compares like with like: both sides of P1 generate the same tokens for
-the same requests, the P3 synthetic engine's frames obey the wire contract, and the engine
-ceiling (bench.ceiling) reads engine arguments as the worker does."""
+"""The benchmark harness compares like with like: both sides of bench.worker_overhead generate
+the same tokens for the same requests, and the engine ceiling (bench.ceiling) reads engine
+arguments as the worker does. (The synthetic engine of bench.transport_ceiling is checked
+against the wire contract in tests/integration/test_fake_engine.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from bench.load import DirectSender, NatsSender, prompts, run
 from tests.helpers import TEST_SUBJECTS
 
 
-async def test_p1_sides_generate_the_same_number_of_tokens(engine, worker, client) -> None:
+async def test_overhead_sides_generate_the_same_number_of_tokens(engine, worker, client) -> None:
     token_prompts = prompts(8, 16, engine.limits.vocab_size)
     sender = NatsSender(client, TEST_SUBJECTS.generate)
     await sender.start()

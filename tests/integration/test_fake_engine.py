@@ -123,12 +123,12 @@ async def synthetic_worker(nats_server, client, subjects: Subjects) -> AsyncIter
 
 
 async def test_synthetic_engine_frames_follow_the_wire_contract(nats_server, client) -> None:
-    from bench.load import make_request
+    from worker.client.requests import make_request
 
     subjects = Subjects("synth", "vllm", "generate")
     async with synthetic_worker(nats_server, client, subjects) as subscription:
         inbox = subscription.subject
-        request = make_request([5, 6, 7], 4, 5)
+        request = make_request(None, [5, 6, 7], max_tokens=4, logprobs=5)
         await client.publish(subjects.generate, MSGPACK.encode(request), reply=inbox)
         maps = [msgspec.msgpack.decode(d) async for d in raw_frames(subscription, timeout=10)]
         assert [m["seq"] for m in maps] == [0, 1, 2, 3]
@@ -141,7 +141,7 @@ async def test_synthetic_engine_frames_follow_the_wire_contract(nats_server, cli
 
 async def test_a_json_request_without_content_type_is_answered_in_json(nats_server, client) -> None:
     """What `nats req SUBJECT '{...}'` sends without `-H Content-Type:application/json`: the
-    worker takes the body as JSON and answers in JSON (was a msgpack error reply)."""
+    worker takes the body as JSON and answers in JSON."""
     subjects = Subjects("rawjson", "vllm", "generate")
     async with synthetic_worker(nats_server, client, subjects) as subscription:
         inbox = subscription.subject

@@ -1,4 +1,4 @@
-"""`python -m bench.p8_processes --compare … --rounds …`: ratios are taken within each round, a
+"""`python -m bench.worker_processes --compare … --rounds …`: ratios are taken within each round, a
 side run once (the ceiling) is read for every round, and a side that ran in some rounds only is
 set beside the others in those rounds alone; no vllm, no nats-server."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import p8_processes
+from bench import worker_processes
 
 
 def write(out: Path, name: str, rates: dict[str, float], ttft: float | None) -> None:
@@ -17,7 +17,7 @@ def write(out: Path, name: str, rates: dict[str, float], ttft: float | None) -> 
         {"logprobs": level, "tokens_per_s": rate, "ttft_p50_ms": ttft}
         for level, rate in rates.items()
     ]
-    (out / f"p8_{name}.json").write_text(json.dumps({"results": results}))
+    (out / f"{worker_processes.side_name(name)}.json").write_text(json.dumps({"results": results}))
 
 
 def rows(printed: str) -> dict[tuple[str, str], list[str]]:
@@ -28,7 +28,7 @@ def rows(printed: str) -> dict[tuple[str, str], list[str]]:
 def test_rounds_pair_each_side_with_its_baseline_in_the_rounds_it_ran(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(p8_processes, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(worker_processes, "OUT_DIR", tmp_path)
     write(tmp_path, "ceiling", {"off": 100.0}, None)
     write(tmp_path, "serve4-r1", {"off": 50.0}, 200.0)
     write(tmp_path, "serve4-r2", {"off": 80.0}, 100.0)
@@ -37,11 +37,11 @@ def test_rounds_pair_each_side_with_its_baseline_in_the_rounds_it_ran(
     write(tmp_path, "n4-r2", {"off": 88.0}, 50.0)
     write(tmp_path, "n4-r3", {"off": 60.0}, 80.0)
     write(tmp_path, "n8-r1", {"off": 75.0}, 100.0)
-    # n8 ran in r1 only: the plain p8_n8.json, left by an earlier, unrelated run, must not stand
+    # n8 ran in r1 only: the plain side_n8.json, left by an earlier, unrelated run, must not stand
     # in for its r2 and r3.
     write(tmp_path, "n8", {"off": 1000.0}, 1.0)
 
-    p8_processes.compare_rounds(["n4", "n8", "ceiling"], ["serve4"], ["r1", "r2", "r3"])
+    worker_processes.compare_rounds(["n4", "n8", "ceiling"], ["serve4"], ["r1", "r2", "r3"])
     table = rows(capsys.readouterr().out)
 
     # tok/s median, ÷ serve4 per round, TTFT p50 median, TTFT ÷ serve4 per round

@@ -1,16 +1,18 @@
-"""P8 worker processes: one running worker (any `--worker-processes N`) driven over NATS from a
-load process of its own (bench.load_process), at one concurrency, logprobs off/5/20.
+"""Worker processes: one running worker (any `--worker-processes N`) or OpenAI server, loaded
+from a load process of its own (bench.load_process) at one concurrency, logprobs off/5/20; each
+labelled side's figures go to bench/out/side_<label>.json, and `--compare` sets sides against
+baselines from those files.
 
-The GPU script (bench/gpu/g16_runs.sh) runs the engine's ceiling (bench.ceiling), vLLM's own
-server (`vllm serve --api-server-count 4`, loaded by the same load process over HTTP) and the
-worker with N = 1, 2, 4, one at a time, and `--compare` prints the ratios from the JSON files.
+The GPU script (bench/gpu/worker_processes.sh) runs the engine's ceiling (bench.ceiling), vLLM's
+own server (`vllm serve --api-server-count 4`, loaded by the same load process over HTTP), the
+worker with N processes and the OpenAI stack, one at a time, and `--compare` prints the ratios.
 
-    python -m bench.p8_processes --nats-url URL --label n2 [--concurrency 256]
+    python -m bench.worker_processes --nats-url URL --label n2 [--concurrency 256]
         [--logprobs off,5,20] [--max-tokens 128] [--requests-per-stream 2] [--repeats 3]
         [--vocab 32000]
-    python -m bench.p8_processes --label serve4 --openai-url http://127.0.0.1:8000/v1 --model M
-    python -m bench.p8_processes --compare serve4,n1,n2,n4 --to ceiling,serve4
-    python -m bench.p8_processes --compare stack44,n4 --to serve4 --rounds r1,r2,r3
+    python -m bench.worker_processes --label serve4 --openai-url http://127.0.0.1:8000/v1 --model M
+    python -m bench.worker_processes --compare serve4,n1,n2,n4 --to ceiling,serve4
+    python -m bench.worker_processes --compare stack44,n4 --to serve4 --rounds r1,r2,r3
 """
 
 from __future__ import annotations
@@ -18,12 +20,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from pathlib import Path
 
 import nats
 
 from bench.common import OUT_DIR, median, table, write_json
 from bench.load_process import LoadProcess
 from worker.client import wait_for_worker
+
+
+def side_name(label: str) -> str:
+    """The JSON name (under bench/out/) of one labelled side; bench.ceiling writes the same."""
+    return f"side_{label}"
+
+
+def side_path(label: str) -> Path:
+    return OUT_DIR / f"{side_name(label)}.json"
 
 
 async def measure(args: argparse.Namespace) -> None:
@@ -65,17 +77,14 @@ async def measure(args: argparse.Namespace) -> None:
         )
     await load.stop()
     await client.close()
-    write_json(f"p8_{args.label}", {"settings": vars(args), "results": results})
+    write_json(side_name(args.label), {"settings": vars(args), "results": results})
 
 
 def compare(labels: list[str], baselines: list[str]) -> None:
     """Every label's tok/s and TTFT p50 with its ratio to each baseline (a baseline without
     TTFT, the offline ceiling, gets none)."""
     data = {
-        label: {
-            r["logprobs"]: r
-            for r in json.loads((OUT_DIR / f"p8_{label}.json").read_text())["results"]
-        }
+        label: {r["logprobs"]: r for r in json.loads(side_path(label).read_text())["results"]}
         for label in dict.fromkeys(labels + baselines)
     }
 
@@ -107,13 +116,13 @@ def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -
 
     def load(label: str, round_: str) -> dict[str, dict] | None:
         # A side run once for all rounds (the ceiling, one engine start) has no round's file and
-        # is read from p8_<label>.json in each; a side with round files but not this round's did
-        # not run in it (None), and its ratios come from the rounds it ran in.
-        path = OUT_DIR / f"p8_{label}-{round_}.json"
+        # is read from side_<label>.json in each; a side with round files but not this round's
+        # did not run in it (None), and its ratios come from the rounds it ran in.
+        path = side_path(f"{label}-{round_}")
         if not path.exists():
-            if any((OUT_DIR / f"p8_{label}-{rd}.json").exists() for rd in rounds):
+            if any(side_path(f"{label}-{rd}").exists() for rd in rounds):
                 return None
-            path = OUT_DIR / f"p8_{label}.json"
+            path = side_path(label)
         return {r["logprobs"]: r for r in json.loads(path.read_text())["results"]}
 
     data = {
@@ -152,7 +161,7 @@ def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.p8_processes")
+    parser = argparse.ArgumentParser(prog="python -m bench.worker_processes")
     parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     parser.add_argument("--subject", default="llm.vllm.generate")
     parser.add_argument("--label", default="worker")
@@ -170,8 +179,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--rounds",
-        help="with --compare: comma-separated round names (p8_<label>-<round>.json; a side "
-        "without a round's file is read from p8_<label>.json, the same in every round)",
+        help="with --compare: comma-separated round names (side_<label>-<round>.json; a side "
+        "without a round's file is read from side_<label>.json, the same in every round)",
     )
     args = parser.parse_args()
     if args.compare:

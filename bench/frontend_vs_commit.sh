@@ -1,10 +1,11 @@
 #!/bin/bash
-# P11 the frontend's own cost (issue 16): the OpenAI frontend of BEFORE (a commit) and of this
-# tree, each one process, on their own ports in front of one worker on the synthetic fake engine
-# (bench.synthetic_worker: no model, so the frontend is the bottleneck), loaded over HTTP by
-# bench.p8_processes from its own load process; ROUNDS alternating rounds with the order rotated.
-#   BEFORE=c3250b6 ROUNDS=3 bash bench/p11_frontend.sh
-# Labels fe-before-r<K> / fe-after-r<K>; ratios: python -m bench.p8_processes --compare
+# The frontend's own cost, this tree's against a commit's: the OpenAI frontend of BEFORE (a
+# commit) and of this tree, each one process, on their own ports in front of one worker on the
+# synthetic fake engine (bench.synthetic_worker: no model, so the frontend is the bottleneck),
+# loaded over HTTP by bench.worker_processes from its own load process; ROUNDS alternating
+# rounds with the order rotated.
+#   BEFORE=c3250b6 ROUNDS=3 bash bench/frontend_vs_commit.sh
+# Labels fe-before-r<K> / fe-after-r<K>; ratios: python -m bench.worker_processes --compare
 # fe-before,fe-after --to fe-before --rounds r1,r2,r3
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +40,7 @@ for round in $(seq "${ROUNDS:-3}"); do
   sides="before after"; [ $((round % 2)) = 0 ] && sides="after before"
   for side in $sides; do
     port=18101; [ $side = after ] && port=18102
-    $PY -m bench.p8_processes --nats-url "$URL" --openai-url "http://127.0.0.1:$port/v1" \
+    $PY -m bench.worker_processes --nats-url "$URL" --openai-url "http://127.0.0.1:$port/v1" \
       --model "$MODEL" \
       --label "fe-$side-r$round" --concurrency "${CONCURRENCY:-32}" --max-tokens 128 \
       --requests-per-stream 2 --repeats "${REPEATS:-2}" --logprobs "${LOGPROBS:-off,5}" \
@@ -47,4 +48,4 @@ for round in $(seq "${ROUNDS:-3}"); do
   done
 done
 labels=$(for r in $(seq "${ROUNDS:-3}"); do printf "r%s," "$r"; done)
-$PY -m bench.p8_processes --compare fe-before,fe-after --to fe-before --rounds "${labels%,}"
+$PY -m bench.worker_processes --compare fe-before,fe-after --to fe-before --rounds "${labels%,}"

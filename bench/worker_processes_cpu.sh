@@ -1,8 +1,9 @@
 #!/bin/bash
-# P8 on this CPU machine (issue 16's check that N > 1 is no regression where it cannot help):
-# the worker by its CLI on the tiny model, N = 1 and 2 alternating ROUNDS times, each driven by
-# bench.p8_processes from its own load process. Labels cpu-n<N>-r<round>; JSON in bench/out/.
-#   ROUNDS=2 bash bench/p8_cpu.sh
+# Worker processes on a CPU machine, where N > 1 cannot help (the engine core takes one of few
+# cores) and must cost no more than noise: the worker by its CLI on the tiny model, N = 1 and 2
+# alternating ROUNDS times, each driven by bench.worker_processes from its own load process.
+# Labels cpu-n<N>-r<round>; JSON in bench/out/.
+#   ROUNDS=2 bash bench/worker_processes_cpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -26,7 +27,7 @@ for round in $(seq "${ROUNDS:-2}"); do
       kill -0 $worker 2>/dev/null || { echo "worker n$n died:"; tail -5 "$LOG/worker-$n.log"; exit 1; }
       sleep 1
     done
-    $PY -m bench.p8_processes --nats-url "$URL" --label "cpu-n$n-r$round" --concurrency 16 \
+    $PY -m bench.worker_processes --nats-url "$URL" --label "cpu-n$n-r$round" --concurrency 16 \
       --max-tokens 32 --repeats 3 --vocab 1024
     kill -TERM $worker; wait $worker
   done

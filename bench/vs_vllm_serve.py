@@ -1,13 +1,14 @@
-"""P2 peer: the NATS worker ÷ vLLM's own OpenAI server on the same model, prompts and settings.
+"""The NATS worker ÷ vLLM's own OpenAI server (its peer) on the same model, prompts and settings.
 
 Both sides run the same engine arguments in their own engine: the worker in this process (as in
-P1, driven over a real nats-server), vLLM's server as a child process on loopback, driven by
-streamed `/v1/completions` calls (aiohttp, one connection pool). Runs alternate between the
-sides; ratios are per repeat, then the median. The load generators of both sides share this
-process and its event loop.
+bench.worker_overhead, driven over a real nats-server), vLLM's server as a child process on
+loopback, driven by streamed `/v1/completions` calls (aiohttp, one connection pool). Runs
+alternate between the sides; ratios are per repeat, then the median. The load generators of
+both sides share this process and its event loop.
 
-    python -m bench.p2_peer [--concurrency 1,8,32] [--logprobs off,5,20] [--max-tokens 64]
-        [--repeats 5] [--requests-per-stream 8] [vLLM engine args, e.g. --model PATH]
+    python -m bench.vs_vllm_serve [--concurrency 1,8,32] [--logprobs off,5,20]
+        [--max-tokens 64] [--repeats 5] [--requests-per-stream 8]
+        [vLLM engine args, e.g. --model PATH]
 
 Engine args go unchanged to both sides (without --model: the tiny model, fp32, eager).
 """
@@ -43,7 +44,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     bench.add_argument("--prompt-len", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--requests-per-stream", type=int, default=8)
-    bench.add_argument("--name", default="p2_peer", help="JSON file name under bench/out")
+    bench.add_argument("--name", default="vs_vllm_serve", help="JSON file name under bench/out")
     args, engine_argv = bench.parse_known_args(argv)
     if "--model" not in engine_argv:
         from worker.dev.tiny_model import ensure_tiny_model
@@ -69,8 +70,7 @@ async def main_async(argv: list[str]) -> None:
     from worker.cli import build_parser, engine_args
     from worker.engine import fast_merge as vllm_fast_merge
     from worker.engine.vllm_adapter import VllmEngine
-    from worker.nats.worker import NatsWorker
-    from worker.shared.nats_connection import connect
+    from worker.nats.runtime import open_worker
 
     args, engine_argv = _parse(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -84,9 +84,7 @@ async def main_async(argv: list[str]) -> None:
         server = NatsServer().start()
         subjects = Subjects("bench", "vllm", "generate")
         config = WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects)
-        worker_nc = await connect(config.nats)
-        worker = NatsWorker(engine, worker_nc, config)
-        await worker.start()
+        worker = await open_worker(engine, config)
         client = await nats.connect(server.url)
         via_nats = NatsSender(client, subjects.generate)
         await via_nats.start()
@@ -103,7 +101,6 @@ async def main_async(argv: list[str]) -> None:
         await via_nats.stop()
         await client.close()
         await worker.stop()
-        await worker_nc.close()
         engine.shutdown()
         server.stop()
     finally:

@@ -1,30 +1,31 @@
 #!/bin/bash
-# Device calls for issue 19 (multi-GPU) on a nvidia-h200-x2 lease, one SIDE per call, each under
-# 10 minutes; after the chunk calls and `SIZES=8b bash bench/gpu/setup.sh` (the ~8B random Llama
-# in /tmp/llama-8b; see bench/gpu/README.md, "Multi-GPU (issue 19)"). JSON, tables and logs go
-# to $OUT. NOT YET RUN on a multi-GPU machine: expect first-run fixes.
+# Multi-GPU runs on a 2-GPU lease (nvidia-h200-x2): tensor parallelism (equal outputs, speed),
+# scale-out over a NATS cluster, and no request lost when a JetStream worker is killed. One SIDE
+# per call, each under 10 minutes; after the chunk calls and `SIZES=8b bash bench/gpu/setup.sh`
+# (the ~8B random Llama in /tmp/llama-8b; see bench/gpu/README.md, "Multi-GPU"). JSON, tables
+# and logs go to $OUT. Not yet run on a multi-GPU machine: expect first-run fixes.
 #
-#   SIDE=tp-equal [TPS="1 2"] bash bench/gpu/g19_runs.sh
+#   SIDE=tp-equal [TPS="1 2"] bash bench/gpu/multi_gpu.sh
 #       the worker with --tensor-parallel-size 1 (GPU 0), then 2 (GPUs 0,1); each records greedy
 #       tokens, logprobs 5 and prompt logprobs 5 of 8 fixed prompts (bench.gpu.tp_compare
 #       record); then `tp_compare compare` prints token equality and max |Δ logprob| per prompt.
-#       TPS=1 / TPS=2 splits it over two calls (records stay in /tmp/g19 while warm).
-#   SIDE=tp-speed TP=1|2 bash bench/gpu/g19_runs.sh
-#       the worker (TP GPUs, --worker-processes N) loaded by bench.p8_processes at concurrency
-#       1, 64, 256 (CONCURRENCY), logprobs off/5/20: labels tp<TP>-c<C>.
-#   SIDE=cluster bash bench/gpu/g19_runs.sh
+#       TPS=1 / TPS=2 splits it over two calls (records stay in /tmp/multi-gpu while warm).
+#   SIDE=tp-speed TP=1|2 bash bench/gpu/multi_gpu.sh
+#       the worker (TP GPUs, --worker-processes N) loaded by bench.worker_processes at
+#       concurrency 1, 64, 256 (CONCURRENCY), logprobs off/5/20: labels tp<TP>-c<C>.
+#   SIDE=cluster bash bench/gpu/multi_gpu.sh
 #       a 3-node NATS cluster on loopback (bench.gpu.nats_cluster); worker A (GPU 0, node 0)
 #       alone at 512 streams (label one-0), then worker B (GPU 1, node 1) joins the queue group:
 #       label two; the load connects to node 2. Prints two ÷ (2 × one-0). ONE_1=1: then A is
 #       stopped and B alone is measured too (one-1).
-#   SIDE=kill bash bench/gpu/g19_runs.sh
+#   SIDE=kill bash bench/gpu/multi_gpu.sh
 #       the same cluster, both workers --mode jetstream; 256 requests × 512 tokens, logprobs 5,
 #       published to the work queue (bench.gpu.js_kill); worker B's process group SIGKILLed at
 #       1/3 of the tokens; prints the outcomes and lost = 0 or the list.
-#   SIDE=kv bash bench/gpu/g19_runs.sh        item 3 (KV-aware routing): a TODO, see below.
+#   SIDE=kv bash bench/gpu/multi_gpu.sh        KV-aware routing across the GPUs: a TODO, see below.
 #
 # Knobs: MODEL (/tmp/llama-8b), N (worker processes, 4), REPEATS (3), LOGPROBS (off,5,20),
-# STREAMS (512, cluster), KV_BYTES (KV cache per GPU), ROUND (suffix of the p8 labels),
+# STREAMS (512, cluster), KV_BYTES (KV cache per GPU), ROUND (suffix of the side labels),
 # KILL_REQUESTS, KILL_TOKENS, KILL_AT, ACK_WAIT, CAP (--max-concurrency per worker), READER.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -34,8 +35,8 @@ N=${N:-4}
 REPEATS=${REPEATS:-3}
 LOGPROBS=${LOGPROBS:-off,5,20}
 ROUND=${ROUND:+-$ROUND}
-STATE=/tmp/g19             # pgids of what this script started, records kept between calls
-CLUSTER=/tmp/g19-nats
+STATE=/tmp/multi-gpu       # pgids of what this script started, records kept between calls
+CLUSTER=/tmp/multi-gpu-nats
 mkdir -p "$OUT" "$STATE"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 # Identical engine arguments on every side, so vLLM's compile cache of one side serves the next
@@ -93,14 +94,14 @@ wait_ready() {  # wait_ready <name> <worker processes>: its "ready" lines, or it
   echo "$1 ready after $(( $(date +%s) - since )) s (call at $(( $(date +%s) - started )) s)"
 }
 
-p8() {  # p8 <label> <nats url> <p8_processes flags…>: one load, its JSON copied to $OUT
+side() {  # side <label> <nats url> <worker_processes flags…>: one load, its JSON copied to $OUT
   local label=$1 url=$2
   shift 2
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" --nats-url "$url" \
-    --repeats "$REPEATS" --logprobs "$LOGPROBS" "$@" > "$OUT/p8-$label.txt" 2>&1
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.worker_processes --label "$label" --nats-url "$url" \
+    --repeats "$REPEATS" --logprobs "$LOGPROBS" "$@" > "$OUT/side-$label.txt" 2>&1
   echo "$label: bench exit $?"
-  cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
-  grep "logprobs=" "$OUT/p8-$label.txt"
+  cp "bench/out/side_$label.json" "$OUT/" 2>/dev/null
+  grep "logprobs=" "$OUT/side-$label.txt"
 }
 
 single_nats() {  # one nats-server (JetStream on) on 4222, for the TP sides
@@ -152,7 +153,7 @@ case "$SIDE" in
     for c in ${CONCURRENCY:-1 64 256}; do
       # One stream sends 8 requests a run (2 would give TTFT percentiles of 2 values).
       per=2; [ "$c" = 1 ] && per=8
-      p8 "tp$TP-c$c$ROUND" "$NODE0" --concurrency "$c" --requests-per-stream "$per"
+      side "tp$TP-c$c$ROUND" "$NODE0" --concurrency "$c" --requests-per-stream "$per"
     done
     stop_group "tp$TP"
     grep -E "Error|error" "$OUT/worker-tp$TP.log" | head -5
@@ -164,22 +165,22 @@ case "$SIDE" in
     # the same with one worker as with two.
     start_worker gpu0 0 "$NODE0" --worker-processes "$N" --instance-id gpu0
     wait_ready gpu0 "$N" || { stop_all; exit 1; }
-    p8 "one-0$ROUND" "$NODE2" --concurrency "$STREAMS"
+    side "one-0$ROUND" "$NODE2" --concurrency "$STREAMS"
     start_worker gpu1 1 "$NODE1" --worker-processes "$N" --instance-id gpu1
     wait_ready gpu1 "$N" || { stop_all; exit 1; }
-    p8 "two$ROUND" "$NODE2" --concurrency "$STREAMS"
+    side "two$ROUND" "$NODE2" --concurrency "$STREAMS"
     if [ "${ONE_1:-0}" = 1 ]; then
       stop_group gpu0
-      p8 "one-1$ROUND" "$NODE2" --concurrency "$STREAMS"
+      side "one-1$ROUND" "$NODE2" --concurrency "$STREAMS"
     fi
     stop_all
     python3 - "$ROUND" <<'EOF' | tee "$OUT/scale_out.md"
 import json, sys
 from pathlib import Path
 r = sys.argv[1]
-load = lambda label: {x["logprobs"]: x for x in json.loads(Path(f"bench/out/p8_{label}{r}.json").read_text())["results"]}
+load = lambda label: {x["logprobs"]: x for x in json.loads(Path(f"bench/out/side_{label}{r}.json").read_text())["results"]}
 one, two = load("one-0"), load("two")
-one1 = load("one-1") if Path(f"bench/out/p8_one-1{r}.json").exists() else None
+one1 = load("one-1") if Path(f"bench/out/side_one-1{r}.json").exists() else None
 print("| logprobs | one-0 tok/s | two tok/s | two ÷ (2 × one-0) | two ÷ (one-0 + one-1) | TTFT p50 one-0 / two ms |")
 print("|---|---|---|---|---|---|")
 for level, o in one.items():
@@ -214,14 +215,14 @@ EOF
     grep -E "CRITICAL|Traceback" "$OUT"/worker-gpu*.log | head -5
     ;;
   kv)
-    # TODO (issue 19, item 3): the multi-turn workload across the two GPU workers, KV router vs
-    # queue group (TTFT p50/p99, prefix-cache hit rate). bench/p10_kv_routing.py lives on the
-    # kv-routing-bench branch and starts its own CPU workers; once it can drive workers started
-    # elsewhere, this side starts gpu0/gpu1 as SIDE=cluster does (instance ids w1/w2, with
-    # --metrics-port 9410/9411 for its hit rate) and runs, against them:
-    #   python3 -m bench.p10_kv_routing --nats-url "$NODE2" --modes one,queue,least-busy,kv \
-    #     --repeats 3 --out p10_gpu
-    echo "SIDE=kv is a TODO (issue 19, item 3): see the comment in bench/gpu/g19_runs.sh"
+    # TODO: the multi-turn workload across the two GPU workers, KV router vs queue group (TTFT
+    # p50/p99, prefix-cache hit rate). bench/kv_routing.py starts its own CPU workers; once it
+    # can drive workers started elsewhere, this side starts gpu0/gpu1 as SIDE=cluster does
+    # (instance ids w1/w2, with --metrics-port 9410/9411 for its hit rate) and runs, against
+    # them:
+    #   python3 -m bench.kv_routing --nats-url "$NODE2" --modes one,queue,least-busy,kv \
+    #     --repeats 3 --out kv_routing_gpu
+    echo "SIDE=kv is a TODO: see the comment in bench/gpu/multi_gpu.sh"
     ;;
   *)
     echo "unknown SIDE $SIDE (tp-equal, tp-speed, cluster, kill, kv)"; exit 2

@@ -1,14 +1,17 @@
 #!/bin/bash
-# Device calls for issue 16, one side per call, each with the GPU to itself (the side before is
-# stopped first): 256 streams x 2 requests x 128 tokens, 32-token prompts, logprobs off/5/20,
-# REPEATS runs each, driven from a load process of its own; JSON and logs under $OUT.
-#   SIDE=ceiling bash bench/gpu/g16_runs.sh          offline LLM.generate (bench.ceiling)
+# One side of the worker-processes comparison per device call (tok/s and TTFT at 256 streams of
+# the engine ceiling, vllm serve, the worker with N processes, the OpenAI stack), each with the
+# GPU to itself (the side before is stopped first): 256 streams x 2 requests x 128 tokens,
+# 32-token prompts, logprobs off/5/20, REPEATS runs each, driven by bench.worker_processes from a
+# load process of its own; JSON (side_<label>.json) and logs under $OUT.
+#   SIDE=ceiling bash bench/gpu/worker_processes.sh         offline LLM.generate (bench.ceiling)
 #   ... CEILING_ARGS="--max-num-seqs 256" TAG=-seq256: more engine flags for the ceiling alone
 #       (that one: no more requests in the batch than the online sides have streams)
-#   SIDE=serve API=4 bash bench/gpu/g16_runs.sh      vllm serve --api-server-count 4
-#   SIDE=worker N=2 bash bench/gpu/g16_runs.sh       the worker, --worker-processes 2
-#   SIDE=stack N=4 P=4 bash bench/gpu/g16_runs.sh   the OpenAI stack: the worker (N processes)
-#       behind `python -m worker.frontend --processes P`, loaded over HTTP as vllm serve is
+#   SIDE=serve API=4 bash bench/gpu/worker_processes.sh     vllm serve --api-server-count 4
+#   SIDE=worker N=2 bash bench/gpu/worker_processes.sh      the worker, --worker-processes 2
+#   SIDE=stack N=4 P=4 bash bench/gpu/worker_processes.sh   the OpenAI stack: the worker (N
+#       processes) behind `python -m worker.frontend --processes P`, loaded over HTTP as vllm
+#       serve is
 #   ... PROFILE=1: also py-spy during one run at PROFILE_LOGPROBS (20 for SIDE=worker, off for
 #   SIDE=stack) on worker process 0, and with SIDE=stack on one frontend process at the same
 #   time, with `top` snapshots of every process; needs py-spy's wheel in .gpu/, carried with
@@ -20,8 +23,8 @@
 #   ROUTERS="kv queue" (SIDE=stack): one frontend per router mode in turn on the same worker
 #   NATS=1 (SIDE=stack): then, the frontend stopped, the same worker loaded over NATS as n<N>,
 #   so one engine start measures both
-#   ROUND=r1: appended to the side's label (p8_serve4-r1.json, …), for alternating rounds that
-#   `python -m bench.p8_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
+#   ROUND=r1: appended to the side's label (side_serve4-r1.json, …), for alternating rounds that
+#   `python -m bench.worker_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SIDE=${SIDE:-worker}
@@ -54,16 +57,16 @@ wait_for() {  # wait_for <log> <pattern> <count> <pid>
   echo "$SIDE ready after $(( $(date +%s) - started )) s"
 }
 
-load() {  # load <label> [p8_processes args]: one bench run, its JSON kept, its table printed
+load() {  # load <label> [worker_processes args]: one bench run, its JSON kept, its table printed
   local label=$1; shift
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.p8_processes --label "$label" \
-    --repeats "$REPEATS" "$@" > "$OUT/p8-$label.txt" 2>&1
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.worker_processes --label "$label" \
+    --repeats "$REPEATS" "$@" > "$OUT/side-$label.txt" 2>&1
   echo "bench exit $?"
-  cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
-  tail -4 "$OUT/p8-$label.txt"
+  cp "bench/out/side_$label.json" "$OUT/" 2>/dev/null
+  tail -4 "$OUT/side-$label.txt"
 }
 
-profiled() {  # profiled <label> <pid>... -- [p8_processes args]: py-spy on each pid, 25 s at
+profiled() {  # profiled <label> <pid>... -- [worker_processes args]: py-spy on each pid, 25 s at
   # 200 Hz (raw collapsed stacks), and `top` every 5 s, during one run of 3 repeats
   local label=$1 pid spies=() n=0; shift
   [ -x /tmp/pyspy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .gpu/py_spy-*.whl
@@ -75,10 +78,10 @@ profiled() {  # profiled <label> <pid>... -- [p8_processes args]: py-spy on each
   shift
   top -b -d 5 -n 5 -w 200 -c | grep -E "^top|python|vllm|VLLM|nats-server" > "$OUT/top-$label.txt" &
   sleep 1
-  python3 -m bench.p8_processes --label "$label-profiled" --repeats 3 \
-    --logprobs "${PROFILE_LOGPROBS:-$1}" "${@:2}" > "$OUT/p8-$label-profiled.txt" 2>&1
+  python3 -m bench.worker_processes --label "$label-profiled" --repeats 3 \
+    --logprobs "${PROFILE_LOGPROBS:-$1}" "${@:2}" > "$OUT/side-$label-profiled.txt" 2>&1
   for pid in "${spies[@]}"; do wait "$pid"; echo "py-spy exit $?"; done
-  tail -2 "$OUT/p8-$label-profiled.txt"
+  tail -2 "$OUT/side-$label-profiled.txt"
 }
 
 SPY=()  # more py-spy flags for profiled()
@@ -94,7 +97,7 @@ case "$SIDE" in
     timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.ceiling --label "$label" --repeats "$REPEATS" \
       -- --model "$MODEL" "${ENGINE[@]}" "${CEILING_ARGS[@]}" > "$OUT/$label.log" 2>&1
     echo "bench exit $?"; grep "^$label logprobs" "$OUT/$label.log"
-    cp "bench/out/p8_$label.json" "$OUT/" 2>/dev/null
+    cp "bench/out/side_$label.json" "$OUT/" 2>/dev/null
     ;;
   serve)
     label=serve$API$ROUND
@@ -119,8 +122,8 @@ case "$SIDE" in
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
     [ "${PROFILE:-0}" = 1 ] && profiled "$label" "$(child $worker)" -- 20
-    # Blocking samples (py-spy's default) stopped the engine core often enough to cut its rate
-    # 4x in the tenth run, so the core is sampled without pausing it.
+    # py-spy's default blocking samples pause the engine core often enough to cut its rate
+    # about 4x, so the core is sampled without pausing it.
     if [ "${PROFILE:-0}" = core ]; then
       SPY=(--nonblocking)
       profiled "$label-core" "$(core)" -- "${PROFILE_LOGPROBS:-off}"

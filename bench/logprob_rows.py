@@ -1,11 +1,11 @@
-"""P4: µs per token to turn vLLM's logprob output into frame rows (top 5 and top 20).
+"""Logprob rows: µs per token to turn vLLM's logprob output into frame rows (top 5 and top 20).
 
 Input is vLLM's own `FlatLogprobs` (what the worker asks for), filled as the engine fills it:
 per position the chosen token first, then the top-k in rank order. Two call shapes: one token
 per call (a decode step's DELTA output, the common case) and 64 per call (a prompt or a burst).
 The token table is the tiny model's real one (byte-fallback pieces included).
 
-    python -m bench.p4_extraction [--repeats 7]
+    python -m bench.logprob_rows [--repeats 7]
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
                 }
             )
     print(table(["top k", "tokens/call", "µs/token (median)", "min", "goal", ""], rows))
-    print("wrote", write_json("p4_extraction", {"results": results}))
+    print("wrote", write_json("logprob_rows", {"results": results}))
 
 
 if __name__ == "__main__":

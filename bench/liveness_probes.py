@@ -1,4 +1,4 @@
-"""P6 probe load: liveness probes the worker sends per second with N requests in flight.
+"""Liveness probes the worker sends per second with N requests in flight.
 
 The worker probes its clients with empty NATS requests to reply subjects (worker/nats/liveness.py).
 Each probe of a live client arrives there as an empty message, so the load is counted where it
@@ -6,10 +6,9 @@ lands: empty messages received by the clients, per second of a steady window. Re
 named fake engine (`worker.dev.fakes.PacedFakeEngine`: one token every `--step` s), since the
 point is the probing at a concurrency a CPU engine cannot hold, not generation.
 
-    python -m bench.p6_probe_load [--in-flight 256] [--clients 1,4,16] [--window 10]
+    python -m bench.liveness_probes [--in-flight 256] [--clients 1,4,16] [--window 10]
 
-Before/after (issue 14) is this same script run on the commit before the change (one probe per
-in-flight request per interval) and on this one; both are recorded in bench/RESULTS.md.
+Run on two commits, it compares their probing (bench/RESULTS.md has such a pair).
 """
 
 from __future__ import annotations
@@ -27,21 +26,18 @@ from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.dev.fakes import PacedFakeEngine
-from worker.nats.worker import NatsWorker
-from worker.shared.nats_connection import connect
+from worker.nats.runtime import open_worker
 
 
 async def _measure(
     url: str, in_flight: int, clients: int, window: float, interval: float, step: float
 ) -> dict:
     engine = PacedFakeEngine(step_s=step)
-    subjects = Subjects("p6", "fake", "generate")
+    subjects = Subjects("probes", "fake", "generate")
     config = WorkerConfig(
         nats=NatsConfig(servers=[url]), subjects=subjects, liveness_interval_s=interval
     )
-    worker_nc = await connect(config.nats)
-    worker = NatsWorker(engine, worker_nc, config)
-    await worker.start()
+    worker = await open_worker(engine, config)
     connections = [await nats.connect(url) for _ in range(clients)]
     probes = 0
     counting = False
@@ -59,7 +55,7 @@ async def _measure(
         inbox = nc.new_inbox()
         subscriptions.append(await nc.subscribe(inbox, cb=on_message))
         request = GenerateRequest(
-            request_id=f"p6-{i}",
+            request_id=f"probe-{i}",
             token_ids=[1, 2, 3],
             stop_conditions=StopConditions(max_tokens=tokens),
             output_options=OutputOptions(logprobs=1),
@@ -67,7 +63,7 @@ async def _measure(
         await nc.publish(subjects.generate, MSGPACK.encode(request), reply=inbox)
     for nc in connections:
         await nc.flush()
-    while worker.in_flight < in_flight:
+    while worker.service.in_flight < in_flight:
         await asyncio.sleep(0.05)
     await asyncio.sleep(interval)  # one round first: the count starts in steady state
     counting = True
@@ -75,13 +71,12 @@ async def _measure(
     await asyncio.sleep(window)
     counting = False
     elapsed = time.monotonic() - started
-    held = worker.in_flight
+    held = worker.service.in_flight
     for subscription in subscriptions:
         await subscription.unsubscribe()
     for nc in connections:
         await nc.close()
     await worker.stop()
-    await worker_nc.close()
     return {
         "in_flight": in_flight,
         "clients": clients,
@@ -123,13 +118,13 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.p6_probe_load")
+    parser = argparse.ArgumentParser(prog="python -m bench.liveness_probes")
     parser.add_argument("--in-flight", type=int, default=256)
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--window", type=float, default=10.0)
     parser.add_argument("--interval", type=float, default=2.0, help="liveness interval (s)")
     parser.add_argument("--step", type=float, default=0.1, help="fake engine s per token")
-    parser.add_argument("--name", default="p6_probe_load")
+    parser.add_argument("--name", default="liveness_probes")
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -1,4 +1,4 @@
-"""P5 memory: RSS of the worker process tree minus the engine alone, after the same load.
+"""Worker memory: RSS of the worker process tree minus the engine alone, after the same load.
 
 Two child processes, one after the other, on the tiny model with the same engine settings:
 - engine alone: `AsyncLLM` serving the load directly (flat logprobs 5, DELTA), nothing else;
@@ -6,7 +6,7 @@ Two child processes, one after the other, on the tiny model with the same engine
 Each is measured after its load, as the sum of RSS over the process and its children (vLLM's
 engine core), and as the main process's RSS alone (where the worker's code lives).
 
-    python -m bench.p5_memory [--streams 32] [--requests-per-stream 4]
+    python -m bench.worker_memory [--streams 32] [--requests-per-stream 4]
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ async def _stop(proc) -> None:
 async def main_async(args: argparse.Namespace) -> None:
     alone = await _spawn(
         "-m",
-        "bench.p5_memory",
+        "bench.worker_memory",
         "--engine-alone",
         "--streams",
         str(args.streams),
@@ -172,7 +172,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print(
         "wrote",
         write_json(
-            "p5_memory",
+            "worker_memory",
             {
                 "settings": vars(args),
                 "goal_mb": GOAL_MB,

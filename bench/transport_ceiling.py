@@ -1,17 +1,18 @@
-"""P3 transport ceiling: a synthetic engine through the worker ÷ raw nats-py, same bytes.
+"""Transport ceiling: a synthetic engine through the worker ÷ raw nats-py, same bytes.
 
 `SyntheticFastEngine` (a fake, named as one: no model) emits one token per step with a full
 logprob row, as fast as the event loop lets it. It yields to the event loop every
 `yield_every` steps (1: every step, so every step pays an event-loop cycle that the raw side,
 which publishes a request's frames back to back, does not; 0: never, so requests interleave only
 where the worker's own publish path waits). Both are measured; the second isolates the worker.
-Through the real `NatsWorker` (sessions, rows, framing, msgpack, publish) to a real nats-server and
-back to a reader in the same process, that gives the worker's own ceiling in frames/s. The
-baseline publishes the very frame bytes the worker sent for the same request, from the same
-process, with plain `nc.publish`, and reads them back with the same reader. Ratio = worker ÷ raw.
+Through the real worker runtime (sessions, rows, framing, msgpack, publish) to a real
+nats-server and back to a reader in the same process, that gives the worker's own ceiling in
+frames/s. The baseline publishes the very frame bytes the worker sent for the same request, from
+the same process, with plain `nc.publish`, and reads them back with the same reader. Ratio =
+worker ÷ raw.
 
-    python -m bench.p3_transport [--streams 32] [--max-tokens 64] [--logprobs 5] [--repeats 5]
-        [--yield-every 1,0]
+    python -m bench.transport_ceiling [--streams 32] [--max-tokens 64] [--logprobs 5]
+        [--repeats 5] [--yield-every 1,0]
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import time
 import nats
 
 from bench.common import median, table, write_json
-from bench.load import NatsSender, make_request, prompts, run
+from bench.load import NatsSender, prompts, run
 from messages.codec import MSGPACK
 from messages.request import GenerateRequest
 from messages.subjects import Subjects
+from worker.client.requests import make_request
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.dev.fakes import SyntheticFastEngine
@@ -57,25 +59,22 @@ def _label(yield_every: int) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    from worker.nats.worker import NatsWorker
-    from worker.shared.nats_connection import connect
+    from worker.nats.runtime import open_worker
 
     server = NatsServer().start()
     subjects = Subjects("bench", "synthetic", "generate")
-    worker_nc = await connect(NatsConfig(servers=[server.url]))
     engine = SyntheticFastEngine()
-    worker = NatsWorker(
-        engine,
-        worker_nc,
-        WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects),
+    worker = await open_worker(
+        engine, WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=subjects)
     )
-    await worker.start()
     client = await nats.connect(server.url)
     reader = NatsSender(client, subjects.generate)
     await reader.start()
     token_prompts = prompts(64, 32, 1024)
     recorded = await _record(
-        client, subjects.generate, make_request(token_prompts[0], args.max_tokens, args.logprobs)
+        client,
+        subjects.generate,
+        make_request(None, token_prompts[0], max_tokens=args.max_tokens, logprobs=args.logprobs),
     )
 
     async def raw(request: GenerateRequest) -> tuple[float, int]:
@@ -129,7 +128,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print(
         "wrote",
         write_json(
-            "p3_transport",
+            "transport_ceiling",
             {
                 "settings": vars(args),
                 "goal": GOAL,
@@ -141,7 +140,6 @@ async def main_async(args: argparse.Namespace) -> None:
     await reader.stop()
     await client.close()
     await worker.stop()
-    await worker_nc.close()
     server.stop()
 
 

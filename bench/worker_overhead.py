@@ -1,19 +1,20 @@
-"""P1 overhead: the NATS worker ÷ the same requests on the same in-process AsyncLLM.
+"""Worker overhead: the NATS worker ÷ the same requests on the same in-process AsyncLLM.
 
 One process holds one engine. The baseline sends each request straight to `AsyncLLM.generate`
 with the worker's own SamplingParams; the worker side sends it over a real nats-server
-(loopback) to a `NatsWorker` on that same engine, which builds logprob rows, encodes frames and
+(loopback) to a worker runtime on that same engine, which builds logprob rows, encodes frames and
 publishes them, and the load generator decodes every frame. Runs alternate between the sides
 (order flipped each repeat); ratios are per repeat, then the median.
 By default the load generator shares the worker's process and event loop, so its cost is billed
 to the worker side: the ratio is a lower bound. With `--load-process` it runs in a process of its
 own (bench.load_process), as a frontend would; use that where there are cores to spare.
 
-    python -m bench.p1_overhead [--concurrency 1,8,32] [--logprobs off,5,20] [--max-tokens 64]
-        [--repeats 3] [--requests-per-stream 4] [vLLM engine args, e.g. --model PATH]
+    python -m bench.worker_overhead [--concurrency 1,8,32] [--logprobs off,5,20]
+        [--max-tokens 64] [--repeats 3] [--requests-per-stream 4]
+        [vLLM engine args, e.g. --model PATH]
 
-Also the GPU run's G1/G2/G3 (issue 7): `--concurrency 1,64,256 --max-tokens 128
---requests-per-stream 1 --model /tmp/llama-1b --dtype bfloat16`.
+On a GPU, bench/gpu/worker_overhead.sh runs it against a worker started by its own CLI
+(`--external-worker URL --load-process --concurrency 1,64,256 --max-tokens 128`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _parse(argv: list[str]):
     bench.add_argument("--prompt-len", type=int, default=32)
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--requests-per-stream", type=int, default=8)
-    bench.add_argument("--name", default="p1_overhead", help="JSON file name under bench/out")
+    bench.add_argument("--name", default="worker_overhead", help="JSON file name under bench/out")
     bench.add_argument(
         "--load-process",
         action="store_true",
@@ -62,20 +63,19 @@ def _parse(argv: list[str]):
     )
     bench.add_argument("--external-subject", default="llm.vllm.generate")
     args = parser.parse_args(argv)
-    args.dev = args.dev or args.model is None  # the tiny model, as before
+    args.dev = args.dev or args.model is None  # without --model: the tiny model
     return args
 
 
 async def main_async(argv: list[str]) -> None:
     from worker.engine.vllm_adapter import VllmEngine
-    from worker.nats.worker import NatsWorker
-    from worker.shared.nats_connection import connect
+    from worker.nats.runtime import open_worker
 
     args = _parse(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     logprob_levels = [None if v == "off" else int(v) for v in args.logprobs.split(",")]
     engine = await VllmEngine.start(engine_args(args))
-    server = worker = worker_nc = None
+    server = worker = None
     if args.external_worker:
         # Its own process and engine: the baseline's engine here idles while it is measured.
         url, subject = args.external_worker, args.external_subject
@@ -85,9 +85,7 @@ async def main_async(argv: list[str]) -> None:
         config = WorkerConfig(
             nats=NatsConfig(servers=[url]), subjects=Subjects(*subject.split("."))
         )
-        worker_nc = await connect(config.nats)
-        worker = NatsWorker(engine, worker_nc, config)
-        await worker.start()
+        worker = await open_worker(engine, config)
     client = await nats.connect(url)
     if not await wait_for_worker(client, 600):
         raise SystemExit(f"no worker answers on {url}")
@@ -135,7 +133,7 @@ async def main_async(argv: list[str]) -> None:
         await once(side, 4, 5, 1)
     started = time.time()
     results = await alternate(once, ("worker", "direct"), levels, logprob_levels, args.repeats)
-    # G2 figures: each side's tokens/s with logprobs ÷ the same side without.
+    # What logprobs cost: each side's tokens/s with logprobs ÷ the same side without.
     off = {r["concurrency"]: r for r in results if r["logprobs"] is None}
     rows = []
     for r in results:
@@ -186,7 +184,6 @@ async def main_async(argv: list[str]) -> None:
     await client.close()
     if worker is not None:
         await worker.stop()
-        await worker_nc.close()
         server.stop()
     engine.shutdown()
 

@@ -1,6 +1,5 @@
-"""P7 intake: the generate subject as a plain queue subscription ÷ as a NATS micro endpoint.
-
-Issue 15 asked whether generate should stay a nats-py micro endpoint. Both sides here hand each
+"""Intake: the generate subject as a plain queue subscription ÷ as a NATS micro endpoint (why
+generate is not a nats-py micro endpoint: README "Discovery and health"). Both sides hand each
 request to the same service core (`RequestService.accept`) on the same named fake engine
 (`SyntheticFastEngine`, one token per request, so the intake is most of the work):
 - "plain": the worker's own intake (worker/nats/intake/core.py): a queue subscription whose
@@ -11,7 +10,8 @@ request to the same service core (`RequestService.accept`) on the same named fak
 Each side is driven by its own load process (bench.load_process), runs alternate, and the ratio
 is plain ÷ micro per repeat, then the median.
 
-    python -m bench.p7_intake [--concurrency 1,32] [--requests-per-stream 200] [--repeats 5]
+    python -m bench.intake_vs_micro [--concurrency 1,32] [--requests-per-stream 200]
+        [--repeats 5]
 """
 
 from __future__ import annotations
@@ -30,21 +30,22 @@ from messages.subjects import Subjects
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.dev.fakes import SyntheticFastEngine
-from worker.nats.worker import NatsWorker
+from worker.nats.liveness import NatsReply
+from worker.nats.runtime import WorkerRuntime, open_worker
 from worker.service import Delivery
 from worker.shared.nats_connection import connect
 
 
-async def _micro_side(worker: NatsWorker, nc: nats.NATS, subject: str) -> micro.Service:
+async def _micro_side(worker: WorkerRuntime, nc: nats.NATS, subject: str) -> micro.Service:
     async def handler(request: Request) -> None:
         # Frames go out as the plain side's do (liveness-gated, to the reply subject), so only the
         # intake differs. micro's Request has no public reply subject: this private read is
         # what serving generate as a micro endpoint would need (one reason it is not).
-        reply = worker.reply(request._msg.reply)
+        reply = NatsReply(worker.liveness, request._msg.reply)
         delivery = Delivery(request.data, request.headers, reply, subject, time.monotonic_ns())
-        await worker.accept(delivery)
+        await worker.service.accept(delivery)
 
-    service = await micro.add_service(nc, name="p7-micro", version="0.0.1")
+    service = await micro.add_service(nc, name="intake-micro", version="0.0.1")
     await service.add_endpoint(name="generate", subject=subject, handler=handler)
     return service
 
@@ -54,23 +55,24 @@ async def main_async(args: argparse.Namespace) -> None:
     connections = []
     try:
         engine = SyntheticFastEngine()
-        plain = Subjects("p7", "plain", "generate")
-        micro_subject = "p7.micro.generate"
+        plain = Subjects("intake", "plain", "generate")
+        micro_subject = "intake.micro.generate"
         nc_plain = await connect(NatsConfig(servers=[server.url]))
         nc_micro = await connect(NatsConfig(servers=[server.url]))
         connections += [nc_plain, nc_micro]
-        plain_worker = NatsWorker(
-            engine, nc_plain, WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=plain)
+        plain_worker = await open_worker(
+            engine, WorkerConfig(nats=NatsConfig(servers=[server.url]), subjects=plain), nc=nc_plain
         )
-        await plain_worker.start()
-        micro_worker = NatsWorker(
+        # The micro side's runtime serves its own intake on subjects nothing publishes to; its
+        # requests come through the micro endpoint below.
+        micro_worker = await open_worker(
             engine,
-            nc_micro,
             WorkerConfig(
-                nats=NatsConfig(servers=[server.url]), subjects=Subjects("p7", "micro", "unused")
+                nats=NatsConfig(servers=[server.url]),
+                subjects=Subjects("intake", "micro", "unused"),
             ),
+            nc=nc_micro,
         )
-        await micro_worker.start(core_endpoints=False)
         service = await _micro_side(micro_worker, nc_micro, micro_subject)
         control = await nats.connect(server.url)
         connections.append(control)
@@ -148,11 +150,11 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.p7_intake")
+    parser = argparse.ArgumentParser(prog="python -m bench.intake_vs_micro")
     parser.add_argument("--concurrency", default="1,32")
     parser.add_argument("--requests-per-stream", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--name", default="p7_intake")
+    parser.add_argument("--name", default="intake_vs_micro")
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -1,11 +1,12 @@
-"""P9: µs per message for a reader of a reply subscription (the client library's frame reader,
-so the frontend's per-token cost): nats-py's `Subscription.next_msg` ÷ `worker.client.Inbox`.
+"""Frame reader: µs per message for a reader of a reply subscription (the client library's
+frame reader, so the frontend's per-token cost): nats-py's `Subscription.next_msg` ÷
+`worker.client.Inbox`.
 
 A real nats-server (embedded); one connection publishes `--messages` small messages to a
 subject, the other reads them one by one, both in this process (as the frontend: many readers on
 one event loop). `--streams` readers at once, each on its own subject. Sides alternate per repeat.
 
-    python -m bench.p9_reader [--messages 20000] [--streams 32] [--repeats 5]
+    python -m bench.frame_reader [--messages 20000] [--streams 32] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ async def _one(url: str, side: str, streams: int, messages: int) -> float:
     """µs of wall time per message read, over all streams."""
     sub_nc, pub_nc = await nats.connect(url), await nats.connect(url)
     per_stream = messages // streams
-    subjects = [f"p9.{i}" for i in range(streams)]
+    subjects = [f"reader.{i}" for i in range(streams)]
     if side == "next_msg":
         readers = [await sub_nc.subscribe(s) for s in subjects]
     else:
@@ -64,11 +65,11 @@ async def measure(args: argparse.Namespace) -> None:
     ]
     print(table(["reader", "µs per message (median)", "runs"], rows))
     print(f"Inbox ÷ next_msg per repeat: {', '.join(f'{r:.2f}' for r in ratios)}")
-    write_json("p9_reader", {"settings": vars(args), "runs": runs, "ratios": ratios})
+    write_json("frame_reader", {"settings": vars(args), "runs": runs, "ratios": ratios})
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.p9_reader")
+    parser = argparse.ArgumentParser(prog="python -m bench.frame_reader")
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,6 +1,6 @@
-"""P10 KV-aware routing (issue 18): two workers on the real CPU engine, a prefix-heavy chat
-workload, and four ways to send it: the queue group ("queue"), KvRouter least-busy
-("least-busy"), KvRouter KV-aware ("kv"), and everything to w1 ("one": the one-worker hit rate).
+"""KV-aware routing: two workers on the real CPU engine, a prefix-heavy chat workload, and four
+ways to send it: the queue group ("queue"), KvRouter least-busy ("least-busy"), KvRouter
+KV-aware ("kv"), and everything to w1 ("one": the one-worker hit rate).
 
 Workload per run: `--conversations` (16) chats × `--turns` (6), all chats at once, turns in order
 within a chat; each turn sends BOS + a shared ~300-token system prompt + the whole history (the
@@ -14,10 +14,10 @@ both workers' /metrics. The parent starts nats-server and the two workers once, 
 run from a load process of its own (`--run MODE`: the router and the chats), which answers with
 JSON on its last stdout line. Repeats alternate: repeat r runs the modes rotated by r.
 
-The JSON (bench/out/p10_kv_routing.json) keeps every request's record, with `seen`: each
+The JSON (bench/out/kv_routing.json) keeps every request's record, with `seen`: each
 worker's [overlap blocks, busy] as the router weighed them just before routing it.
 
-    python -m bench.p10_kv_routing [--repeats 3] [--hidden 512 --layers 4] [--block-size 32]
+    python -m bench.kv_routing [--repeats 3] [--hidden 512 --layers 4] [--block-size 32]
         [--load-weight 1.0] [--think-ms 0] [--bind split|auto] [--modes one,queue,least-busy,kv]
         [--probe] [--out NAME]
 """
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, median, offline, percentile, table, write_json
+from worker.client.requests import make_request
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("one", "queue", "least-busy", "kv")
@@ -51,18 +52,6 @@ FIRST_ID = 259
 def system_prompt(seed: int, length: int, vocab: int) -> list[int]:
     rng = random.Random(f"system-{seed}")
     return [rng.randrange(FIRST_ID, vocab) for _ in range(length)]
-
-
-def make_request(request_id: str, token_ids: list[int], max_tokens: int) -> Any:
-    """Greedy, ignore_eos, no logprobs: every turn generates exactly `max_tokens` tokens."""
-    from messages.request import GenerateRequest, SamplingOptions, StopConditions
-
-    return GenerateRequest(
-        request_id=request_id,
-        token_ids=token_ids,
-        sampling_options=SamplingOptions(temperature=0.0),
-        stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
-    )
 
 
 def what_router_sees(router: Any, prompt: list[int]) -> dict[str, list[int]]:
@@ -269,7 +258,7 @@ def load_process(args: argparse.Namespace, nats_url: str, mode: str, seed: int) 
     command = [
         sys.executable,
         "-m",
-        "bench.p10_kv_routing",
+        "bench.kv_routing",
         "--nats-url",
         nats_url,
         "--run",
@@ -461,7 +450,7 @@ def parent(args: argparse.Namespace) -> None:
     logs_dir = Path(args.log_dir)
     logs_dir.mkdir(parents=True, exist_ok=True)
     ports = {name: args.metrics_port + i for i, name in enumerate(INSTANCES)}
-    logs = {name: logs_dir / f"p10_{name}.log" for name in INSTANCES}
+    logs = {name: logs_dir / f"kv_routing_{name}.log" for name in INSTANCES}
     # vLLM's "auto" OpenMP binding reserves one core and pins every engine's compute to the
     # same other core: two engines on this 2-core host then share one core. "split" gives
     # each worker a core of its own (VLLM_CPU_OMP_THREADS_BIND), as two GPUs would be.
@@ -539,7 +528,7 @@ def parent(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.p10_kv_routing")
+    parser = argparse.ArgumentParser(prog="python -m bench.kv_routing")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--conversations", type=int, default=16)
@@ -567,7 +556,7 @@ def main() -> None:
     )
     parser.add_argument("--probe", action="store_true", help="time a prefill and a decode step")
     parser.add_argument("--log-dir", default=str(Path(__file__).resolve().parent / "out"))
-    parser.add_argument("--out", default="p10_kv_routing")
+    parser.add_argument("--out", default="kv_routing")
     # The load process (one run):
     parser.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
