@@ -93,7 +93,7 @@ async def test_refusals_through_the_queue_group_are_retried(extra_worker, client
     free = await extra_worker(subjects, instance_id="free")
     sent = 0
     # Batches of 8 over 2 queue members until the full one was reached (each batch misses it
-    # with probability 2**-8; one batch alone made this test fail once in CI).
+    # with probability 2**-8, too often for one batch alone).
     while sum(stats.num_errors for stats in full.stats.values()) == 0 and sent < 64:
         results = await complete_all(
             client,

@@ -1,8 +1,8 @@
-"""The frontend's surface beyond the core endpoints (issue 17, items 11 and 9's frontend half),
-with the official `openai` package (httpx for the routes it has no method for) against the real
-nats-server, the session's real vLLM engine and worker: batched prompts, prompt scoring (echo
-with max_tokens 0), logit_bias, an omitted model and several served names, /v1/models'
-max_model_len, /tokenize and /detokenize, /health, /version, /metrics, the API key."""
+"""The frontend's surface beyond the core endpoints, with the official `openai` package (httpx
+for the routes it has no method for) against the real nats-server, the session's real vLLM
+engine and worker: batched prompts, prompt scoring (echo with max_tokens 0), logit_bias, an
+omitted model and several served names, /v1/models' max_model_len, /tokenize and /detokenize,
+/health, /version, /metrics, the API key."""
 
 from __future__ import annotations
 

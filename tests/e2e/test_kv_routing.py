@@ -1,7 +1,7 @@
 """KV-aware routing on the real engine: vLLM's own KV cache events (its ZMQ publisher) reach
 the router through the worker, keyed by the router's own hashes over the token ids; a router
 started later learns the same from the worker's snapshot; load reports carry vLLM's scheduler
-state. Two workers with engines of their own: bench/p10_kv_routing.py."""
+state. Two workers with engines of their own: bench/kv_routing.py."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ async def test_the_real_engines_cache_reaches_the_router(engine, worker, client)
         finally:
             await late.stop()
         # Load reports carry vLLM's scheduler state next to the worker's own count. A report
-        # sent while kv-e2e-1's last frame was on its way still counts it (one CI run saw
-        # in_flight 1): the next one, a second later, must say 0.
+        # sent while kv-e2e-1's last frame was on its way still counts it (in_flight 1): the
+        # next one, a second later, must say 0.
         await until(
             lambda: (
                 view.load is not None

@@ -1,6 +1,6 @@
-"""What an operator sees of a running worker (issue 17, items 9 and 13), on the real engine and a
-real nats-server: the stats line and --disable-log-stats, metrics per finish reason with the
-model's name, /health, one log format, no raw-prompt warning, --help and the final line."""
+"""What an operator sees of a running worker, on the real engine and a real nats-server: the
+stats line and --disable-log-stats, metrics per finish reason with the model's name, /health,
+one log format, no raw-prompt warning, --help and the final line."""
 
 from __future__ import annotations
 

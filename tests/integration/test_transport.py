@@ -92,7 +92,7 @@ async def test_an_inbox_reads_in_order_waits_and_times_out(nats_server) -> None:
         inbox = await Inbox.open(sub_nc, "inbox.test")
         # The messages come from another connection: nats-py's own flush() can send its PING
         # ahead of the buffered SUB, and a message published before the server has the SUB is
-        # dropped (this test timed out that way once in CI).
+        # dropped (the test would then time out).
         await flush(sub_nc)
         for i in range(50):
             await pub_nc.publish("inbox.test", str(i).encode())

@@ -1,5 +1,5 @@
 """Metrics labels, the /health report and its HTTP server, help-text defaults: no vllm, no
-nats-server (issue 17, items 9 and 13)."""
+nats-server."""
 
 from __future__ import annotations
 

@@ -75,9 +75,9 @@ class Inbox:
 
     nats-py's `Subscription.next_msg` makes a uuid, a task and (before Python 3.12) a second
     task inside `wait_for` for every message; a reader of a token-per-frame stream pays that per
-    token (about a third of a frontend process at 32 streams, py-spy). Here nats-py hands each
-    message to a callback (public API) that queues it and wakes the one waiting reader; the
-    timeout is a timer handle, not a task.
+    token, a large share of a frontend process's time under load (bench.frame_reader sets the
+    two readers side by side). Here nats-py hands each message to a callback (public API) that
+    queues it and wakes the one waiting reader; the timeout is a timer handle, not a task.
     """
 
     def __init__(self) -> None:

@@ -5,16 +5,16 @@ The router listens to every worker's KV events and load reports (messages/kv.py)
 live worker instance, a `PrefixIndex` of the blocks it holds. It routes to engines, not to
 processes: the instances whose reports name one `engine_id` (the processes of a worker started
 with `--worker-processes`) share one engine core and one KV cache, so no choice among them can hit
-more of it, and choosing among them by a load picture up to a report old gave one of four ~60% of
-the in-flight requests on the GPU (bench/RESULTS.md, P8 sixth run). Per request it scores each
+more of it, while a choice among them by a load picture up to a report old can pile the in-flight
+requests onto one of them; their own queue group spreads them. Per request it scores each
 engine that may take it: `overlap_blocks - load_weight * busy`, and picks the best (ties at random,
 so routers that do not coordinate do not herd). `busy` is exact for this router's own requests
 (counted from `route` until the caller's `release`) plus the engine's other requests as of its
-processes' last load reports; a report's count alone is a second stale, which made the router herd
-(P10). The answer is the engine's subject: a one-process worker's instance subject, or the subject
-every process of a multi-process worker shares in a queue group of its own (the engine id's
-instance subject), or one of its processes' when some of them are full; None, the queue group,
-when it knows no engine that may take the request.
+processes' last load reports; a report's count alone is up to a second stale, enough for
+routers to herd onto one engine. The answer is the engine's subject: a one-process worker's
+instance subject, or the subject every process of a multi-process worker shares in a queue group
+of its own (the engine id's instance subject), or one of its processes' when some of them are
+full; None, the queue group, when it knows no engine that may take the request.
 
 It stays right without coordination: a worker is learned from discovery at start and from its
 reports after; a new `epoch` (a restart) or an `AllCleared` voids its index; a batch whose `seq`
@@ -22,7 +22,7 @@ is not the next one, or a batch that two load reports in a row name and that has
 last batch was lost), means something was lost and the index is rebuilt from a snapshot
 (events arriving meanwhile are kept and applied after it); a worker silent for `stale_s` is
 forgotten. Modes: "kv" (the above), "least-busy" (the load part alone), "queue" (always the queue
-group), for comparison (bench/p10_kv_routing.py).
+group), for comparison (bench/kv_routing.py).
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@
 When a request's consumer is still busy with one output as the engine produces the next, vLLM's
 output collector merges the two (`RequestOutput.add` → `FlatLogprobs.extend`). vLLM's `extend`
 walks the other container position by position, builds a dict of `Logprob` objects for each one
-and flattens it again. Under load that happens for nearly every request at every step, and on the
-CPU profile of bench.p1_overhead it cost as much as all of the worker's own row building. Only the
-worker side pays it (a consumer that does nothing per output is never behind), so it showed up as
-worker overhead.
+and flattens it again. Under load that happens for nearly every request at every step, at a cost
+on the order of all of the worker's own row building (bench.worker_overhead shows it). Only a
+consumer that does work per output falls behind (one that does nothing is never behind), so the
+cost lands on the worker, not on a bare AsyncLLM baseline.
 
 `install()` replaces `FlatLogprobs.extend`, for a FlatLogprobs argument whose positions are laid
 out contiguously from 0 (what vLLM's DELTA slices are), by list concatenation with shifted
 indices; anything else goes to vLLM's own method. The result is the same container, field by field
-(tests/test_vllm_fast_merge.py).
+(tests/e2e/test_vllm_fast_merge.py).
 
 It changes a vLLM class for the whole process, so it is explicit and bounded: only the worker's
 composition root (`worker.process.serve`) and the test session install it, never the engine adapter

@@ -59,8 +59,8 @@ def _flat_rows(
             )
         top_ids = ids[start + 1 : end]
         # Entries 1..k are vLLM's top-k, whose ranks are always set (1..k). Built by map (no
-        # bytecode per entry): this is the per-token hot path (P4, issue 16's profile). The
-        # slices share start and end, so they are equally long.
+        # bytecode per entry): this is the per-token hot path (bench.logprob_rows). The slices
+        # share start and end, so they are equally long.
         row = list(
             map(
                 TopLogprob,
