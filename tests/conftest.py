@@ -58,12 +58,26 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+# Each layer's time limit per test (pytest-timeout; pyproject.toml picks the method): a hang fails
+# its test, with every thread's stack, instead of holding the run. A limit covers the test's
+# setup and teardown too, so the first e2e test also pays the tiny model's build and the
+# session's engine start (25-60 s, more on a loaded machine), and the last one its shutdown. A
+# test's own `timeout` mark wins; `--timeout` (or PYTEST_TIMEOUT) replaces these for a run.
+LAYER_TIMEOUT_S = {"unit": 30, "integration": 120, "e2e": 300}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    overridden = (
+        config.getoption("timeout", None) is not None
+        or os.environ.get("PYTEST_TIMEOUT") is not None
+    )
     for item in items:
         layer = item.path.parent.name
         if layer not in LAYERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of tests/{LAYERS}")
         item.add_marker(layer)
+        if not overridden and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LAYER_TIMEOUT_S[layer]))
 
 
 @pytest.fixture(scope="session")
