@@ -84,7 +84,7 @@ async def test_refusal_on_an_instance_is_retried_on_another_worker(extra_worker,
     assert frames[-1].finish_reason == "length"
     assert sum(len(f.token_ids) for f in frames) == 6
     # The full worker served only the request that occupied it.
-    assert free.served == 1 and (await settled(full)).served == 1
+    assert free.service.served == 1 and (await settled(full)).service.served == 1
 
 
 async def test_refusals_through_the_queue_group_are_retried(extra_worker, client) -> None:
@@ -94,7 +94,7 @@ async def test_refusals_through_the_queue_group_are_retried(extra_worker, client
     sent = 0
     # Batches of 8 over 2 queue members until the full one was reached (each batch misses it
     # with probability 2**-8, too often for one batch alone).
-    while sum(stats.num_errors for stats in full.stats.values()) == 0 and sent < 64:
+    while sum(stats.num_errors for stats in full.service.stats.values()) == 0 and sent < 64:
         results = await complete_all(
             client,
             subjects.generate,
@@ -103,9 +103,9 @@ async def test_refusals_through_the_queue_group_are_retried(extra_worker, client
         sent += 8
         assert [r.choices[0].finish_reason for r in results] == ["length"] * 8
         assert all(r.error is None for r in results)
-    assert (full.served, free.served) == (0, sent)
+    assert (full.service.served, free.service.served) == (0, sent)
     # The full worker was reached, refused, and every request it refused was served by the free.
-    assert sum(stats.num_errors for stats in full.stats.values()) >= 1
+    assert sum(stats.num_errors for stats in full.service.stats.values()) >= 1
 
 
 async def test_exhausted_retries_raise_a_clear_request_error(extra_worker, client) -> None:

@@ -487,12 +487,12 @@ async def test_a_handler_failure_is_an_internal_error_frame_and_the_worker_serve
 ) -> None:
     subjects = Subjects("fails", "vllm", "generate")
     served = await extra_worker(subjects)
-    admit = served.accept
+    admit = served.service.accept
 
     async def broken(delivery) -> None:
         raise RuntimeError("accept broke")
 
-    monkeypatch.setattr(served, "accept", broken)
+    monkeypatch.setattr(served.service, "accept", broken)
     raw = await exchange(client, subjects.generate, MSGPACK.encode(make_request("x", PROMPT)))
     frame = msgspec.msgpack.decode(raw[0])
     assert frame["seq"] == 0 and frame["finish_reason"] == "error"

@@ -129,7 +129,7 @@ def test_engine_args_go_to_vllm_as_vllm_serve_takes_them(tiny_model: Path) -> No
 
 
 async def test_micro_ping_info_stats_and_counts_move(worker, client, engine) -> None:
-    service_id = worker.service.id
+    service_id = worker.discovery.id
     ping = await srv(client, "PING", service_id)
     assert (ping["name"], ping["id"], ping["version"]) == ("vllm-nats-worker", service_id, "0.1.0")
     info = await srv(client, "INFO", service_id)
