@@ -177,11 +177,11 @@ async def test_probes_are_skipped_by_their_header_and_an_empty_reply_is_an_error
     async def raises(request) -> None:
         raise ValueError("handler bug")
 
-    await service.add_endpoint(name="gen", subject="raiser.generate", handler=raises)
+    await service.add_endpoint(name="gen", subject="raiser.fake.generate", handler=raises)
     try:
         with pytest.raises(RequestError) as failed:
             async for _frame in generate(
-                client, make_request("z", PROMPT), subject="raiser.generate", timeout=30
+                client, make_request("z", PROMPT), subject="raiser.fake.generate", timeout=30
             ):
                 pass
         assert failed.value.code == "internal_error"
@@ -194,10 +194,13 @@ async def test_probes_are_skipped_by_their_header_and_an_empty_reply_is_an_error
         frame = {"request_id": "p", "seq": 0, "index": 0, "finish_reason": "length"}
         await client.publish(msg.reply, msgspec.msgpack.encode(frame))
 
-    subscription = await client.subscribe("prober.generate", cb=probe_then_answer)
+    subscription = await client.subscribe("prober.fake.generate", cb=probe_then_answer)
     try:
         frames = [
-            f async for f in generate(client, make_request("p", PROMPT), subject="prober.generate")
+            f
+            async for f in generate(
+                client, make_request("p", PROMPT), subject="prober.fake.generate"
+            )
         ]
         assert [(f.seq, f.finish_reason) for f in frames] == [(0, "length")]
     finally:
