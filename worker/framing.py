@@ -95,16 +95,23 @@ class FrameWriter:
         self.frames_sent = 0
 
     def encode(self, frame: ResponseFrame) -> list[bytes]:
-        """Encoded pieces of `frame`, numbered from next_seq (which it advances)."""
-        frame.seq = self.next_seq
+        """Encoded pieces of `frame`, numbered from next_seq, which advances only when every
+        piece fits: a frame that cannot be split small enough uses up no seq number, so the
+        error frame that follows comes next in order."""
+        pieces = self._encode_from(frame, self.next_seq)
+        self.next_seq += len(pieces)
+        return pieces
+
+    def _encode_from(self, frame: ResponseFrame, seq: int) -> list[bytes]:
+        frame.seq = seq
         if self.attempt is not None:
             frame.attempt = self.attempt
         data = self.codec.encode(frame)
         if len(data) <= self.max_payload:
-            self.next_seq += 1
             return [data]
         head, tail = split_frame(frame)
-        return self.encode(head) + self.encode(tail)
+        first = self._encode_from(head, seq)
+        return first + self._encode_from(tail, seq + len(first))
 
     async def send(self, frame: ResponseFrame) -> None:
         for data in self.encode(frame):

@@ -216,12 +216,6 @@ def test_split_frame_halves_by_position_and_only_the_tail_keeps_the_ending() -> 
     assert head.index == tail.index == 2 and head.top_logprobs is UNSET
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FrameWriter.encode advances next_seq for the pieces that fit before a later piece "
-    "raises FrameTooLarge; those pieces are never published, so the next frame (the request's "
-    "error frame) leaves a seq gap",
-)
 async def test_a_split_that_fails_halfway_does_not_use_up_seq_numbers() -> None:
     sink = Sink()
     writer = FrameWriter(MSGPACK, 300, sink.publish)

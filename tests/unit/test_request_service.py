@@ -791,13 +791,6 @@ async def test_one_position_over_max_payload_is_an_engine_error_frame() -> None:
     assert outcome.error_code == "engine_error"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker/framing.py FrameWriter.encode advances next_seq for the pieces of a split "
-    "that fit before a later piece raises FrameTooLarge; they are never published, so the "
-    "error frame that follows has seq 1 and a client reads a gap (FrameOrderError) instead of "
-    "the engine_error",
-)
 async def test_a_split_that_fails_halfway_leaves_no_gap_before_the_error_frame() -> None:
     small, big = _row(5, 1), _row(6, 20, "x" * 40)
     engine = scripted(ChoiceDelta(0, [5, 6], [-0.1, -0.2], [small, big], "length"))
