@@ -5,7 +5,7 @@ Each implements the engine contract (worker/engine/contract.py) without a model:
   asked, so requests stay in flight for a known time: what liveness and outage tests and the
   probe-load benchmark need at a concurrency the real engine on a CPU cannot reach;
 - `SyntheticFastEngine` emits fixed tokens and rows as fast as it can (the transport ceiling,
-  bench/p3_transport.py);
+  bench/transport_ceiling.py);
 - `AlwaysFailingFakeEngine` fails every request (retry and JetStream redelivery tests);
 - `FakePrefixCache`: an LRU cache of prompt blocks with engine-like events (stored with parent
   hashes and token ids, removed, cleared), given to `PacedFakeEngine` so KV-aware routing is

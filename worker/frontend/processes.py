@@ -1,6 +1,6 @@
 """`--processes N`: N frontend processes on one port, each with its own event loop, tokenizer and
 NATS connection (the frontend's per-request work, tokenizing, detokenizing and SSE encoding, is
-Python on one event loop, so one process is a ceiling of its own; see issue 16).
+Python on one event loop, so one process is a ceiling of its own).
 
 Each process listens on its own socket bound with SO_REUSEPORT, so the kernel spreads new
 connections over the processes evenly by their addresses (one shared listening socket would let

@@ -7,7 +7,8 @@ endpoint's model is one reply per request, its processing time ends when the han
 its counters are private, while a generate request streams for seconds after its handler handed
 it off. So this module answers the micro protocol itself (nats-py micro's public response types
 and `control_subject`), from the service core's own per-subject stats, which count the streaming
-time and the error frames. Measured: bench/p7_intake.py (README "Discovery and health").
+time and the error frames. bench/intake_vs_micro.py measures this intake against a micro endpoint
+(README "Discovery and health").
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 `flush_ordered(nc)`: nats-py's `flush()` writes its PING to the socket at once, ahead of commands
 still in its write buffer (the SUBs of subscriptions just made), so its PONG can come back before
-the server saw them, and a request published right after goes to nobody (a CI run lost requests
-to a worker that had just started this way). Writing the buffer first (`_flush_pending`, whose
-future resolves after the write) puts the PING behind it. Checked on nats-py 2.7-2.16
-(tests/test_transport.py pins the order on the wire); on another version the private call is not
-made and a short pause after the flush stands in for it, with a warning. Upstream: nats.py2 fixed
-the same ordering in 2017 (PR #24); not yet reported for nats.py (no network here).
+the server saw them, and a request published right after goes to nobody: a worker that has just
+started would lose the requests a client sends as soon as it is discovered. Writing the buffer
+first (`_flush_pending`, whose future resolves after the write) puts the PING behind it. Checked on
+nats-py 2.7-2.16 (tests/integration/test_transport.py pins the order on the wire); on another
+version the private call is not made and a short pause after the flush stands in for it, with a
+warning. Upstream: nats.py2 fixed the same ordering in 2017 (PR #24); not yet reported for nats.py
+(no network here).
 """
 
 from __future__ import annotations
