@@ -154,9 +154,6 @@ class PacedFakeEngine:
         finally:
             self.running -= 1
 
-    async def abort(self, engine_request_id: str) -> None:
-        return None
-
     def num_unfinished_requests(self) -> int:
         return self.running
 
@@ -215,9 +212,6 @@ class SyntheticFastEngine:
                 ],
             )
 
-    async def abort(self, engine_request_id: str) -> None:
-        pass
-
     def num_unfinished_requests(self) -> int:
         return 0
 
@@ -249,9 +243,6 @@ class AlwaysFailingFakeEngine:
         self.calls += 1
         raise EngineFailure("fake engine: this request always fails")
         yield  # pragma: no cover
-
-    async def abort(self, engine_request_id: str) -> None:
-        return None
 
     def num_unfinished_requests(self) -> int:
         return 0
@@ -313,9 +304,6 @@ class ScriptedFakeEngine:
             raise
         finally:
             self.running -= 1
-
-    async def abort(self, engine_request_id: str) -> None:
-        return None
 
     def num_unfinished_requests(self) -> int:
         return self.running
