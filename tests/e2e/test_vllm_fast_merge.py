@@ -107,8 +107,8 @@ def test_starting_an_engine_does_not_install_it() -> None:
     """Only the composition root (worker.process.serve) and the test session install it."""
     import inspect
 
-    from worker import cli
+    from worker import process
     from worker.engine import vllm_adapter as vllm_engine
 
     assert "vllm_fast_merge.install" not in inspect.getsource(vllm_engine)
-    assert "fast_merge.install()" in inspect.getsource(cli.serve)
+    assert "fast_merge.install()" in inspect.getsource(process.serve)
