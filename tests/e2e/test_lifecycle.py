@@ -498,7 +498,7 @@ async def test_a_handler_failure_is_an_internal_error_frame_and_the_worker_serve
     assert frame["seq"] == 0 and frame["finish_reason"] == "error"
     assert frame["error"]["code"] == "internal_error"
     assert "accept broke" in frame["error"]["message"]
-    monkeypatch.setattr(served, "accept", admit)
+    monkeypatch.setattr(served.service, "accept", admit)
     after = await complete(
         client, make_request("y", PROMPT, max_tokens=2), subject=subjects.generate
     )
