@@ -447,13 +447,6 @@ async def test_a_discovered_worker_without_snapshots_is_routed_by_load() -> None
     assert overlap(router, CHAT_A).busy == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker/client/router.py: the load a worker is discovered with (_discovered_load, "
-    "'its load until its first report') is stored in view.load but not counted in the engine's "
-    "busy (only _on_load sets EngineView.others), so until a worker's first report a router "
-    "scores it idle and sends requests to a worker that discovery saw full",
-)
 async def test_a_discovered_workers_in_flight_counts_until_its_first_report() -> None:
     router = router_on()
     found = WorkerInstance("w1", SUBJECTS.instance("w1"), 4, 4, engine_id=None)

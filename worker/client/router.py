@@ -293,14 +293,7 @@ class KvRouter:
         view = self._view(report.instance_id, report.epoch, resync=report.kv_seq >= 0)
         view.load = report
         view.last_heard = time.monotonic()
-        # The processes' in-flight counts include this router's requests that reached them.
-        engine = self._engine(view.engine_id)
-        reported = sum(
-            v.load.in_flight
-            for v in self.workers.values()
-            if v.load is not None and v.engine_id == engine.engine_id
-        )
-        engine.others = max(0, reported - engine.mine)
+        self._count_others(view.engine_id)
         if self.mode != "kv" or view.syncing:
             return
         if view.seq < view.behind:
@@ -357,12 +350,24 @@ class KvRouter:
         task.add_done_callback(self._tasks.discard)
         return True
 
+    def _count_others(self, engine_id: str) -> None:
+        """An engine's requests of other publishers: its processes' in-flight counts as last
+        reported (or discovered), which include this router's requests that reached them."""
+        engine = self._engine(engine_id)
+        reported = sum(
+            v.load.in_flight
+            for v in self.workers.values()
+            if v.load is not None and v.engine_id == engine.engine_id
+        )
+        engine.others = max(0, reported - engine.mine)
+
     def _discovered(self, found: WorkerInstance) -> WorkerView:
         """A worker known from discovery alone (one that answers no snapshot: a process that
         reports load only, or KV events off): routed by load, its epoch taken from its first
         report."""
         view = self._view(found.instance_id, "", resync=False)
         view.load = self._discovered_load(found, "", -1)
+        self._count_others(view.engine_id)
         return view
 
     @staticmethod
@@ -407,6 +412,7 @@ class KvRouter:
         view = self._view(snapshot.instance_id, snapshot.epoch, resync=False)
         if view.load is None and found is not None:
             view.load = self._discovered_load(found, snapshot.epoch, snapshot.seq)
+            self._count_others(view.engine_id)
         index = PrefixIndex(snapshot.block_size)
         index.apply(snapshot.blocks)
         view.index, view.seq, view.backoff = index, snapshot.seq, 1.0
