@@ -17,6 +17,7 @@ from messages.frames import (
 from messages.request import (
     CancelRequest,
     GenerateRequest,
+    GuidedDecoding,
     OutputOptions,
     SamplingOptions,
     StopConditions,
@@ -35,6 +36,7 @@ __all__ = [
     "ErrorKind",
     "FinishReason",
     "GenerateRequest",
+    "GuidedDecoding",
     "OutputOptions",
     "ResponseFrame",
     "SamplingOptions",

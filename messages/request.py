@@ -10,7 +10,7 @@ worker against the running engine.
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -35,6 +35,49 @@ LOGIT_BIAS_MAX = 100.0
 LogitBias = Annotated[float, msgspec.Meta(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]
 
 
+# The structured-output backends vLLM knows (its StructuredOutputsConfig.backend), for
+# `GuidedDecoding.backend`.
+GUIDED_DECODING_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+# The fields of GuidedDecoding that are a constraint; exactly one must be set.
+GUIDED_DECODING_CONSTRAINTS = (
+    "json",
+    "regex",
+    "choice",
+    "grammar",
+    "json_object",
+    "structural_tag",
+)
+
+
+class GuidedDecoding(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Structured outputs, as Dynamo's `GuidedDecodingOptions` names them (plus vLLM's
+    `json_object`); run with vLLM's own StructuredOutputsParams.
+
+    Exactly one constraint: `json`, `regex`, `choice`, `grammar`, `json_object` or
+    `structural_tag`; `backend` and `whitespace_pattern` are modifiers that may accompany it. The
+    rules that need no engine are checked on arrival (worker/validation.py); what the backend
+    cannot compile is refused by the engine adapter, naming this field.
+    """
+
+    # A JSON schema: an object, or a string holding one. `{}` (the schema that allows anything)
+    # asks for any JSON value.
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None
+    # EBNF (GBNF) or Lark, as vLLM's backends take it.
+    grammar: str | None = None
+    # vLLM's `json_object` (OpenAI's response_format json_object): any JSON object. Only `true`.
+    json_object: bool | None = None
+    # xgrammar's structural tag: an object, or a string holding one (newer Dynamo sends either).
+    structural_tag: dict[str, Any] | str | None = None
+    backend: str | None = None
+    whitespace_pattern: str | None = None
+
+    def constraints(self) -> list[str]:
+        """The names of the constraints that are set, in GUIDED_DECODING_CONSTRAINTS' order."""
+        return [name for name in GUIDED_DECODING_CONSTRAINTS if getattr(self, name) is not None]
+
+
 class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample; None means the engine's default."""
 
@@ -56,7 +99,8 @@ class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[TokenId, LogitBias] | None = None
     # Known to Dynamo's frontends but not served here: refused with a clear error, never ignored.
     use_beam_search: bool | None = None
-    guided_decoding: msgspec.Raw | None = None
+    # Structured outputs (vLLM's StructuredOutputsParams), Dynamo's field name.
+    guided_decoding: GuidedDecoding | None = None
 
 
 class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -8,9 +8,15 @@ field and the rule.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
-from messages.request import GenerateRequest
+from messages.request import (
+    GUIDED_DECODING_BACKENDS,
+    GUIDED_DECODING_CONSTRAINTS,
+    GenerateRequest,
+    GuidedDecoding,
+)
 from worker.engine.contract import EngineLimits, InvalidRequest
 
 
@@ -53,7 +59,7 @@ def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
     if sampling.use_beam_search:
         raise InvalidRequest("sampling_options.use_beam_search", "beam search is not supported")
     if sampling.guided_decoding is not None:
-        raise InvalidRequest("sampling_options.guided_decoding", "guided decoding is not supported")
+        check_guided_decoding(sampling.guided_decoding)
     for field, k in (
         ("output_options.logprobs", output.logprobs),
         ("output_options.prompt_logprobs", output.prompt_logprobs),
@@ -100,4 +106,61 @@ def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
         raise InvalidRequest(
             "stop_conditions.min_tokens",
             f"must be <= max_tokens ({max_new_tokens(request, limits)}), got {stop.min_tokens}",
+        )
+
+
+GUIDED = "sampling_options.guided_decoding"
+
+
+def _json_object(field: str, value: dict[str, object] | str, what: str) -> None:
+    """`value` is a JSON object, or a string holding one (what vLLM's backends parse)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as error:
+            raise InvalidRequest(
+                field, f"a string must hold {what} (a JSON object): {error}"
+            ) from error
+        if not isinstance(value, dict):
+            raise InvalidRequest(
+                field, f"a string must hold {what} (a JSON object), got {type(value).__name__}"
+            )
+        return
+    try:  # msgpack can carry what JSON cannot (bytes, NaN, extension types)
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise InvalidRequest(field, f"must be {what} in plain JSON: {error}") from error
+
+
+def check_guided_decoding(guided: GuidedDecoding) -> None:
+    """The rules of a guided_decoding that need no engine: exactly one constraint, each of its
+    kind; what the backend cannot compile is the engine's to refuse (worker/engine)."""
+    constraints = guided.constraints()
+    if not constraints:
+        raise InvalidRequest(
+            GUIDED, f"sets no constraint: set one of {', '.join(GUIDED_DECODING_CONSTRAINTS)}"
+        )
+    if len(constraints) > 1:
+        raise InvalidRequest(
+            GUIDED,
+            f"sets {' and '.join(constraints)}: only one constraint may be set "
+            "(backend and whitespace_pattern may accompany it)",
+        )
+    if guided.json is not None:
+        _json_object(f"{GUIDED}.json", guided.json, "a JSON schema")
+    if guided.choice is not None and not guided.choice:
+        raise InvalidRequest(f"{GUIDED}.choice", "must not be empty")
+    if guided.grammar is not None and not guided.grammar.strip():
+        raise InvalidRequest(f"{GUIDED}.grammar", "must not be empty")
+    if guided.json_object is False:
+        raise InvalidRequest(
+            f"{GUIDED}.json_object", "must be true when set (leave it out for no constraint)"
+        )
+    if guided.structural_tag is not None:
+        _json_object(f"{GUIDED}.structural_tag", guided.structural_tag, "a structural tag")
+    if guided.backend is not None and guided.backend not in GUIDED_DECODING_BACKENDS:
+        raise InvalidRequest(
+            f"{GUIDED}.backend",
+            f"must be one of vLLM's structured-output backends "
+            f"({', '.join(GUIDED_DECODING_BACKENDS)}), got {guided.backend!r}",
         )

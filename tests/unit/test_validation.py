@@ -140,27 +140,6 @@ def test_the_limits_themselves_are_allowed(fields: dict) -> None:
     check_request(request(**fields), LIMITS)
 
 
-def test_guided_decoding_is_refused_by_its_rule() -> None:
-    req = request()
-    req.sampling_options.guided_decoding = msgspec.Raw(b'{"json": {}}')
-    refused = refusal(req)
-    assert (refused.field, refused.rule) == (
-        "sampling_options.guided_decoding",
-        "guided decoding is not supported",
-    )
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="messages/request.py types guided_decoding as `msgspec.Raw | None`, a union msgspec "
-    "decodes as null only: every guided_decoding a client sends is a decode error 'Expected "
-    "`null`, got `object`', and the rule 'guided decoding is not supported' is never reached",
-)
-def test_a_guided_decoding_on_the_wire_reaches_its_rule() -> None:
-    refused = refusal(request(sampling_options={"guided_decoding": {"json": {}}}))
-    assert refused.rule == "guided decoding is not supported"
-
-
 def test_a_logit_bias_names_the_field_and_the_smallest_id_outside_without_a_position() -> None:
     refused = refusal(request(sampling_options={"logit_bias": {"3": 1.0, "500": 2.0, "120": 1.0}}))
     assert refused.field == "sampling_options.logit_bias"  # a map's keys have no position

@@ -29,7 +29,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from messages.frames import FinishReason
 from messages.request import GenerateRequest
-from worker.engine import logprobs, reaper, scaleout
+from worker.engine import logprobs, reaper, scaleout, structured_outputs
 from worker.engine.contract import (
     ChoiceDelta,
     EngineDead,
@@ -114,6 +114,10 @@ class VllmEngine:
         self.table = table
         self.limits = limits
         self._scheduler = scheduler
+        # sampling_options.guided_decoding → vLLM's StructuredOutputsParams (per engine backend).
+        self.structured = structured_outputs.StructuredOutputs(
+            structured_outputs.engine_backend(llm)
+        )
         # vLLM 0.32+ renders prompts itself (VllmEngine._prompt); 0.24 has no renderer.
         self._renderer = getattr(llm, "renderer", None) if _parse_model_prompt else None
 
@@ -205,6 +209,8 @@ class VllmEngine:
             )
             if (value := getattr(sampling, name)) is not None
         }
+        if sampling.guided_decoding is not None:
+            kwargs["structured_outputs"] = self.structured.params(sampling.guided_decoding)
         try:
             return SamplingParams(
                 n=sampling.n,
@@ -235,6 +241,8 @@ class VllmEngine:
         except _INPUT_ERRORS as error:
             raise _invalid(error, "token_ids") from error
         eos_ids = frozenset(request.eos_token_ids)
+        guided = request.sampling_options.guided_decoding is not None
+        started: set[int] = set()  # choices that produced a token
         want_prompt = request.output_options.prompt_logprobs
         k = request.output_options.logprobs
         prompt_done = want_prompt is None
@@ -253,11 +261,21 @@ class VllmEngine:
                 except Exception as error:
                     cause = _input_error(error) if first else None
                     if cause is not None:
+                        if guided and structured_outputs.is_constraint_error(cause):
+                            raise structured_outputs.refusal(cause) from error
                         raise _invalid(cause, "request") from error
                     if self._llm.errored:
                         raise EngineDead(f"vLLM engine failed: {describe(error)}") from error
                     raise EngineFailure(describe(error)) from error
                 first = False
+                if guided:
+                    for choice in out.outputs:
+                        if choice.token_ids:
+                            started.add(choice.index)
+                        elif choice.finish_reason == "error" and choice.index not in started:
+                            # vLLM 0.32's engine core could not compile the constraint (it
+                            # ends the request before any token; 0.24's core dies instead).
+                            raise self.structured.compile_failure()
                 prompt_rows = None
                 if not prompt_done and out.prompt_logprobs:
                     rows = logprobs.extract(
