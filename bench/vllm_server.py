@@ -55,15 +55,24 @@ class VllmOpenAIServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, timeout: float = 300.0) -> VllmOpenAIServer:
-        with self._log.open("wb") as log:
-            self._process = subprocess.Popen(
-                self._argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._env,
-                start_new_session=True,
-            )
+    def launch(self) -> VllmOpenAIServer:
+        """Starts the process and returns at once (`wait_ready` waits for it); a second call
+        does nothing."""
+        if self._process is None:
+            with self._log.open("wb") as log:
+                self._process = subprocess.Popen(
+                    self._argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self._env,
+                    start_new_session=True,
+                )
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> VllmOpenAIServer:
+        """Returns once the server answers `/v1/models`; raises if it exits or is not ready in
+        `timeout` seconds (then it is stopped)."""
+        assert self._process is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -76,6 +85,9 @@ class VllmOpenAIServer:
                 time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"vLLM server not ready in {timeout:.0f} s: {self.log_tail()}")
+
+    def start(self, timeout: float = 300.0) -> VllmOpenAIServer:
+        return self.launch().wait_ready(timeout)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self._log.read_text(errors="replace")[-chars:]

@@ -13,6 +13,7 @@ worker on a real nats-server (JetStream on, its own temp dir, a free loopback po
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -23,6 +24,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry
 
+from bench.vllm_server import VllmOpenAIServer
 from messages.subjects import Subjects
 from tests.helpers import TEST_MAX_PAYLOAD, TEST_SUBJECTS
 from worker.config import NatsConfig, WorkerConfig
@@ -78,6 +80,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(layer)
         if not overridden and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LAYER_TIMEOUT_S[layer]))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """vLLM's own server starts as soon as the collected tests are known to need it: its ~40 s
+    start then overlaps the session engine's and the tests before its first user."""
+    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        _vllm_server(ensure_tiny_model()).launch()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _vllm_server.cache_info().currsize:  # launched, perhaps never used (a failed run)
+        _vllm_server(ensure_tiny_model()).stop()
+
+
+@functools.cache
+def _vllm_server(model: Path) -> VllmOpenAIServer:
+    """vLLM's OpenAI server on the tiny model with the session engine's flags (the side-by-side
+    tests compare against it)."""
+    return VllmOpenAIServer(
+        [
+            "--model", str(model), "--dtype", "float32", "--max-model-len", "512",
+            "--enforce-eager", "--max-logprobs", "20", "--seed", "0",
+        ]
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model: Path) -> Iterator[VllmOpenAIServer]:
+    server = _vllm_server(tiny_model).launch()
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from messages.codec import MSGPACK
 from messages.frames import ResponseFrame, TopLogprob
 from messages.request import GenerateRequest
-from messages.subjects import REPLY_HEADER, Subjects
+from messages.subjects import REPLY_HEADER, SERVICE_NAME, Subjects
 from worker.client import Completion, RequestEnd, complete, frame_payloads
+from worker.client.library import discovery_answers
 from worker.shared.tokens import TokenTable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -352,3 +353,21 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     while not condition():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
+
+
+async def discover(nc: NATS, verb: str, wait: float = 0.5) -> list[dict[str, Any]]:
+    """Every worker's answer to `$SRV.<verb>.vllm-nats-worker` within `wait` seconds."""
+    subject = f"$SRV.{verb}.{SERVICE_NAME}"
+    return [json.loads(data) async for data in discovery_answers(nc, subject, wait)]
+
+
+STATS_LINE = r"Avg prompt throughput: .* Running: \d+ reqs, Waiting: \d+ reqs, .*KV cache usage"
+"""vLLM's periodic stats line (`--disable-log-stats` turns it off)."""
+
+
+def stats_env(interval_s: str) -> dict[str, str]:
+    """A CLI worker's environment with vLLM's stats line every `interval_s` seconds."""
+    env = subprocess_env()
+    env["VLLM_LOG_STATS_INTERVAL"] = interval_s
+    env["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM logs its stats line at INFO
+    return env

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,6 @@ import nats
 import openai
 import pytest
 
-from bench.vllm_server import VllmOpenAIServer
 from tests.helpers import TEST_SUBJECTS, free_port, serving
 from worker.frontend.app import FrontendSettings, create_app
 from worker.frontend.tokenizer import ModelTokenizer
@@ -53,17 +52,6 @@ async def frontend(worker, nats_server, tiny_model: Path) -> AsyncIterator[str]:
     async with serving(app) as base:
         yield base + "/v1"
     await nc.close()
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tiny_model: Path) -> Iterator[VllmOpenAIServer]:
-    with VllmOpenAIServer(
-        [
-            "--model", str(tiny_model), "--dtype", "float32", "--max-model-len", "512",
-            "--enforce-eager", "--max-logprobs", "20", "--seed", "0",
-        ]
-    ) as server:  # fmt: skip
-        yield server
 
 
 def api(base_url: str) -> openai.AsyncOpenAI:

@@ -12,21 +12,21 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from messages.codec import MSGPACK
 from messages.subjects import SERVICE_NAME
 from tests.helpers import (
     ROOT,
+    STATS_LINE,
     TEST_SUBJECTS,
     collect,
+    discover,
     exchange,
     kill_if_running,
     metrics_server,
     read_until,
-    ready_metrics_port,
     run_client_cli,
     scrape,
-    sigterm_mid_stream,
     start_cli_worker,
+    stats_env,
     subprocess_env,
 )
 from worker.cli import build_parser, engine_args
@@ -34,25 +34,6 @@ from worker.client import complete
 from worker.client.requests import make_request
 
 PROMPT = [1, 300, 301, 302]
-
-
-async def discover(nc, verb: str, wait: float = 0.5) -> list[dict]:
-    """Every micro service's answer to `$SRV.<verb>.vllm-nats-worker` (there may be several)."""
-    inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox)
-    await nc.publish(f"$SRV.{verb}.{SERVICE_NAME}", b"", reply=inbox)
-    answers = []
-    deadline = time.monotonic() + wait
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                msg = await subscription.next_msg(timeout=left)
-            except Exception:
-                break
-            answers.append(json.loads(msg.data))
-    finally:
-        await subscription.unsubscribe()
-    return answers
 
 
 async def srv(nc, verb: str, service_id: str) -> dict:
@@ -207,72 +188,6 @@ async def test_metrics_endpoint_shows_counters_and_histograms(
     assert samples[f"nats_worker_in_flight_requests{{{model}}}"] == 0
 
 
-async def test_cli_worker_serves_with_engine_args_and_drains_on_sigterm(
-    nats_server, tiny_model, client
-) -> None:
-    proc = await start_cli_worker(
-        nats_server.url,
-        tiny_model,
-        "--namespace",
-        "cli",
-        "--instance-id",
-        "cli1",
-        "--max-model-len",
-        "256",
-        "--max-logprobs",
-        "7",
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        "127.0.0.1",
-    )
-    lines: list[str] = []
-    try:
-        metrics_port = await ready_metrics_port(proc, lines)
-        rest = asyncio.create_task(collect(proc.stdout, lines))
-        subject = "cli.vllm.generate"
-
-        served = await complete(
-            client, make_request("cli-1", PROMPT, max_tokens=5, logprobs=7), subject=subject
-        )
-        assert served.choices[0].finish_reason == "length"
-        assert all(len(row) in (7, 8) for row in served.choices[0].top_logprobs)
-        raw = await exchange(
-            client, subject, MSGPACK.encode(make_request("cli-2", PROMPT, logprobs=8))
-        )
-        assert (
-            "must be <= 7 (the engine's max_logprobs)"
-            in msgspec.msgpack.decode(raw[0])["error"]["message"]
-        )
-        raw = await exchange(client, subject, MSGPACK.encode(make_request("cli-3", [5] * 300)))
-        assert "max_model_len 256" in msgspec.msgpack.decode(raw[0])["error"]["message"]
-
-        infos = [
-            i for i in await discover(client, "INFO") if i["metadata"]["instance_id"] == "cli1"
-        ]
-        assert len(infos) == 1 and infos[0]["metadata"]["max_logprobs"] == "7"
-        samples = await asyncio.to_thread(scrape, metrics_port)
-        model = f"model_name={tiny_model}"
-        assert samples[f"nats_worker_requests_total{{{model},outcome=length}}"] == 1
-        assert samples[f"nats_worker_errors_total{{code=invalid_request,{model}}}"] == 2
-        assert any(name.startswith("vllm:") for name in samples), (
-            "vLLM's own metrics are served too"
-        )
-
-        # SIGTERM with a request in flight: it finishes (drain), then the worker exits 0.
-        long = make_request("cli-long", PROMPT, max_tokens=120)
-        frames = await sigterm_mid_stream(proc, _frames(client, subject, long))
-        assert frames[-1].finish_reason == "length"
-        assert sum(len(f.token_ids) for f in frames) == 120
-        assert await asyncio.wait_for(proc.wait(), 60) == 0
-        await rest
-        output = "".join(lines)
-        assert "request cli-1 length tokens=5" in output  # one log line per request outcome
-        assert "request cli-2 invalid_request" in output
-    finally:
-        await kill_if_running(proc)
-
-
 async def _frames(nc, subject, request):
     from worker.client import generate
 
@@ -314,11 +229,20 @@ async def test_engine_death_answers_in_flight_and_exits_non_zero(
         "crash1",
         "--health-interval",
         "1",
+        "--disable-log-stats",  # vLLM's engine argument, honoured as `vllm serve` does
+        env=stats_env("1"),
     )
     lines: list[str] = []
     try:
         await read_until(proc.stdout, r"vllm-nats-worker ready:", lines, 300)
         rest = asyncio.create_task(collect(proc.stdout, lines))
+        served = await complete(
+            client, make_request("quiet-1", PROMPT, max_tokens=64), subject="crash.vllm.generate"
+        )
+        assert served.choices[0].finish_reason == "length"
+        await asyncio.sleep(4)  # four stats intervals: no stats line in any of them
+        assert "request quiet-1 length tokens=64" in "".join(lines)
+        assert not re.search(STATS_LINE, "".join(lines)), "".join(lines)
         frames = []
 
         async def long_request() -> None:

@@ -1,0 +1,233 @@
+"""One production worker started by its CLI, as a user starts it (`python -m worker` with vLLM
+engine arguments, a metrics port and `--stream-interval`), on the real CPU engine: what it takes
+from vLLM's arguments, its frames coalesced over engine steps, what an operator sees (the stats
+line, /health, one log format), and SIGTERM with a request in flight (drain, exit 0, the last
+line). The module's tests share the one process (an engine start is ~30 s here) and run in file
+order: the last one stops it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client as NATS
+
+from messages.codec import MSGPACK
+from messages.frames import ResponseFrame
+from messages.subjects import Subjects
+from tests.helpers import (
+    STATS_LINE,
+    TEST_SUBJECTS,
+    check_row,
+    collect,
+    discover,
+    exchange,
+    get_health,
+    kill_if_running,
+    last_worker_line,
+    ready_metrics_port,
+    scrape,
+    sigterm_mid_stream,
+    start_cli_worker,
+    stats_env,
+)
+from worker.client import complete, generate
+from worker.client.requests import make_request
+from worker.dev.embedded import NatsServer
+
+PROMPT = [1, 300, 301, 302]
+SUBJECTS = Subjects("cli", "vllm", "generate")
+INTERVAL = 4
+MAX_MODEL_LEN = 256
+MAX_LOGPROBS = 7
+# vLLM's text format (after an optional "(process pid=N) " field): level, date, [file:line].
+LOG_PREFIX = (
+    r"(?:\(\S+ pid=\d+\) )?(INFO|WARNING|ERROR|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d \[\S+:\d+\] "
+)
+
+
+@dataclass
+class CliWorker:
+    proc: asyncio.subprocess.Process
+    metrics_port: int
+    reader: asyncio.Task[None]
+    """Collects the output into `lines` until the process closes it."""
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+async def cli_worker(nats_server: NatsServer, tiny_model: Path) -> AsyncIterator[CliWorker]:
+    proc = await start_cli_worker(
+        nats_server.url,
+        tiny_model,
+        "--namespace",
+        SUBJECTS.namespace,
+        "--instance-id",
+        "cli1",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-logprobs",
+        str(MAX_LOGPROBS),
+        "--stream-interval",
+        str(INTERVAL),
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        env=stats_env("1"),
+    )
+    lines: list[str] = []
+    output = None
+    try:
+        port = await ready_metrics_port(proc, lines)
+        output = asyncio.create_task(collect(proc.stdout, lines))
+        yield CliWorker(proc, port, output, lines)
+    finally:
+        await kill_if_running(proc)
+        if output is not None:
+            await asyncio.wait_for(output, 30)
+
+
+async def _frames(nc: NATS, subject: str, request: Any) -> AsyncIterator[ResponseFrame]:
+    async for frame in generate(nc, request, subject=subject):
+        yield frame
+
+
+async def test_the_cli_worker_takes_vllms_engine_arguments(
+    cli_worker: CliWorker, client, tiny_model: Path
+) -> None:
+    subject = SUBJECTS.generate
+    served = await complete(
+        client, make_request("cli-1", PROMPT, max_tokens=5, logprobs=7), subject=subject
+    )
+    assert served.choices[0].finish_reason == "length"
+    assert all(len(row) in (7, 8) for row in served.choices[0].top_logprobs)
+    raw = await exchange(client, subject, MSGPACK.encode(make_request("cli-2", PROMPT, logprobs=8)))
+    assert (
+        "must be <= 7 (the engine's max_logprobs)"
+        in msgspec.msgpack.decode(raw[0])["error"]["message"]
+    )
+    raw = await exchange(client, subject, MSGPACK.encode(make_request("cli-3", [5] * 300)))
+    assert "max_model_len 256" in msgspec.msgpack.decode(raw[0])["error"]["message"]
+
+    infos = [i for i in await discover(client, "INFO") if i["metadata"]["instance_id"] == "cli1"]
+    assert len(infos) == 1 and infos[0]["metadata"]["max_logprobs"] == "7"
+    samples = await asyncio.to_thread(scrape, cli_worker.metrics_port)
+    model = f"model_name={tiny_model}"
+    assert samples[f"nats_worker_requests_total{{{model},outcome=length}}"] == 1
+    assert samples[f"nats_worker_errors_total{{code=invalid_request,{model}}}"] == 2
+    assert any(name.startswith("vllm:") for name in samples), "vLLM's own metrics are served too"
+
+
+async def test_stream_interval_coalesces_frames_and_keeps_logprobs_aligned(
+    cli_worker: CliWorker, worker, client, engine
+) -> None:
+    """vLLM's own `--stream-interval N` (an engine argument the CLI passes through): a request's
+    tokens come N at a time, the first at once, every frame's logprobs aligned, the same tokens
+    and values as the session's worker sends one engine step at a time."""
+    tokens = 25
+    request = make_request("interval-1", [1, 40, 41, 42, 43, 44], max_tokens=tokens, logprobs=5)
+    coalesced = [
+        MSGPACK.decode_frame(data)
+        for data in await exchange(client, SUBJECTS.generate, MSGPACK.encode(request))
+    ]
+    stepwise = [
+        MSGPACK.decode_frame(data)
+        for data in await exchange(client, TEST_SUBJECTS.generate, MSGPACK.encode(request))
+    ]
+    sizes = [len(f.token_ids) for f in coalesced]
+    # First token at once (TTFT unchanged), then INTERVAL per frame: 25 = 1 + 6 x 4. A worker
+    # that lags merges a request's pending outputs (both workers do, by design), so under load a
+    # frame may carry two intervals, never a part of one.
+    assert sizes[0] == 1 and sum(sizes) == tokens, sizes
+    assert all(size % INTERVAL == 0 for size in sizes[1:]), sizes
+    assert len(stepwise) > len(coalesced)
+    assert [f.seq for f in coalesced] == list(range(len(coalesced)))
+    assert [f.finish_reason for f in coalesced] == [None] * (len(coalesced) - 1) + ["length"]
+    for frame in coalesced:
+        assert len(frame.log_probs) == len(frame.top_logprobs) == len(frame.token_ids)
+        for token_id, logprob, row in zip(
+            frame.token_ids, frame.log_probs, frame.top_logprobs, strict=True
+        ):
+            check_row(row, token_id, logprob, 5, engine.table)
+
+    def flat(frames: list[ResponseFrame], name: str) -> list[Any]:
+        return [v for f in frames for v in getattr(f, name)]
+
+    assert flat(coalesced, "token_ids") == flat(stepwise, "token_ids")
+    for a, b in zip(flat(coalesced, "log_probs"), flat(stepwise, "log_probs"), strict=True):
+        assert abs(a - b) < 1e-4
+    ids = [[e.token_id for e in row] for row in flat(coalesced, "top_logprobs")]
+    assert ids == [[e.token_id for e in row] for row in flat(stepwise, "top_logprobs")]
+    assert coalesced[-1].completion_usage == stepwise[-1].completion_usage
+
+
+async def test_health_and_the_stats_line_while_it_serves(cli_worker: CliWorker, client) -> None:
+    code, body = await asyncio.to_thread(get_health, cli_worker.metrics_port)
+    assert code == 200, body
+    assert body["status"] == "ok"
+    assert body["engine_alive"] is True
+    assert body["nats_connected"] is True
+    assert body["draining"] is False
+    assert body["expected_processes"] == 1 and len(body["processes"]) == 1
+
+    # A stats line comes within the interval (1 s here) while the engine works.
+    served = await complete(
+        client, make_request("obs-1", PROMPT, max_tokens=64), subject=SUBJECTS.generate
+    )
+    assert served.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 15
+    while not re.search(STATS_LINE, cli_worker.output):
+        assert time.monotonic() < deadline, "no stats line:\n" + "".join(cli_worker.lines[-40:])
+        await asyncio.sleep(0.2)
+
+
+async def test_sigterm_drains_a_request_in_flight_and_exits_0_with_its_last_line(
+    cli_worker: CliWorker, client
+) -> None:
+    """The module's last test: it stops the worker."""
+    proc, port = cli_worker.proc, cli_worker.metrics_port
+    seen_draining: list[dict[str, Any]] = []
+
+    async def watch_health() -> None:
+        while proc.returncode is None:
+            try:
+                code, body = await asyncio.to_thread(get_health, port)
+            except OSError:
+                return  # the port closed: the worker is gone
+            if code == 503 and body["status"] == "draining":
+                seen_draining.append(body)
+                return
+            await asyncio.sleep(0.05)
+
+    # /health says draining (503) from the signal until the worker exits.
+    long = make_request("cli-long", PROMPT, max_tokens=200)
+    watcher = asyncio.create_task(watch_health())
+    frames = await sigterm_mid_stream(proc, _frames(client, SUBJECTS.generate, long))
+    await asyncio.wait_for(watcher, 30)
+    assert frames[-1].finish_reason == "length"
+    assert sum(len(f.token_ids) for f in frames) == 200
+    assert seen_draining and seen_draining[0]["draining"] is True
+    assert await asyncio.wait_for(proc.wait(), 60) == 0
+    await asyncio.wait_for(cli_worker.reader, 30)  # every line, up to the last
+    lines, output = cli_worker.lines, cli_worker.output
+    assert "request cli-1 length tokens=5" in output  # one log line per request outcome
+    assert "request cli-2 invalid_request" in output
+    assert "Passing raw prompts" not in output
+    assert last_worker_line(lines) == "vllm-nats-worker stopped (exit 0)"
+    # The worker's own log lines have vLLM's format, as vLLM's stats line has.
+    worker_line = next(line for line in lines if "request obs-1 length tokens=64" in line)
+    stats_line = next(line for line in lines if re.search(STATS_LINE, line))
+    assert re.match(LOG_PREFIX + "request obs-1 length", worker_line), worker_line
+    assert re.match(LOG_PREFIX, stats_line), stats_line
