@@ -35,6 +35,9 @@ from worker.metrics import WorkerMetrics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; models are built locally
 
 LAYERS = ("unit", "integration", "e2e")
+SESSION_ENGINE_FIXTURES = frozenset(
+    {"engine", "worker", "worker_metrics", "extra_worker", "vllm_server"}
+)
 _HEAVY = ("vllm", "torch")
 
 
@@ -46,6 +49,11 @@ def _only_layer(config: pytest.Config) -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     for layer in LAYERS:
         config.addinivalue_line("markers", f"{layer}: the {layer} test layer (tests/{layer}/)")
+    config.addinivalue_line(
+        "markers",
+        "own_engine: starts its own engine processes (a worker by its CLI, the demo) and uses "
+        "no session engine, so .ci/run runs these beside the rest in a second pytest process",
+    )
     if _only_layer(config) == "unit":
         for name in _HEAVY:
             if name in sys.modules:
@@ -78,6 +86,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if layer not in LAYERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of tests/{LAYERS}")
         item.add_marker(layer)
+        if item.get_closest_marker("own_engine") is not None:
+            shared = SESSION_ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+            if shared:
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked own_engine but uses {sorted(shared)}: the second "
+                    "pytest process would start a session engine of its own"
+                )
         if not overridden and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LAYER_TIMEOUT_S[layer]))
 

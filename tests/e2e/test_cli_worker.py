@@ -1,9 +1,8 @@
 """One production worker started by its CLI, as a user starts it (`python -m worker` with vLLM
-engine arguments, a metrics port and `--stream-interval`), on the real CPU engine: what it takes
-from vLLM's arguments, its frames coalesced over engine steps, what an operator sees (the stats
-line, /health, one log format), and SIGTERM with a request in flight (drain, exit 0, the last
-line). The module's tests share the one process (an engine start is ~30 s here) and run in file
-order: the last one stops it."""
+engine arguments and a metrics port), on the real CPU engine: what it takes from vLLM's
+arguments, what an operator sees (the stats line, /health, one log format), and SIGTERM with a
+request in flight (drain, exit 0, the last line). The module's tests share the one process (an
+engine start is ~30 s here) and run in file order: the last one stops it."""
 
 from __future__ import annotations
 
@@ -24,8 +23,6 @@ from messages.frames import ResponseFrame
 from messages.subjects import Subjects
 from tests.helpers import (
     STATS_LINE,
-    TEST_SUBJECTS,
-    check_row,
     collect,
     discover,
     exchange,
@@ -42,9 +39,10 @@ from worker.client import complete, generate
 from worker.client.requests import make_request
 from worker.dev.embedded import NatsServer
 
+pytestmark = pytest.mark.own_engine
+
 PROMPT = [1, 300, 301, 302]
 SUBJECTS = Subjects("cli", "vllm", "generate")
-INTERVAL = 4
 MAX_MODEL_LEN = 256
 MAX_LOGPROBS = 7
 # vLLM's text format (after an optional "(process pid=N) " field): level, date, [file:line].
@@ -79,8 +77,6 @@ async def cli_worker(nats_server: NatsServer, tiny_model: Path) -> AsyncIterator
         str(MAX_MODEL_LEN),
         "--max-logprobs",
         str(MAX_LOGPROBS),
-        "--stream-interval",
-        str(INTERVAL),
         "--metrics-port",
         "0",
         "--metrics-host",
@@ -128,49 +124,6 @@ async def test_the_cli_worker_takes_vllms_engine_arguments(
     assert samples[f"nats_worker_requests_total{{{model},outcome=length}}"] == 1
     assert samples[f"nats_worker_errors_total{{code=invalid_request,{model}}}"] == 2
     assert any(name.startswith("vllm:") for name in samples), "vLLM's own metrics are served too"
-
-
-async def test_stream_interval_coalesces_frames_and_keeps_logprobs_aligned(
-    cli_worker: CliWorker, worker, client, engine
-) -> None:
-    """vLLM's own `--stream-interval N` (an engine argument the CLI passes through): a request's
-    tokens come N at a time, the first at once, every frame's logprobs aligned, the same tokens
-    and values as the session's worker sends one engine step at a time."""
-    tokens = 25
-    request = make_request("interval-1", [1, 40, 41, 42, 43, 44], max_tokens=tokens, logprobs=5)
-    coalesced = [
-        MSGPACK.decode_frame(data)
-        for data in await exchange(client, SUBJECTS.generate, MSGPACK.encode(request))
-    ]
-    stepwise = [
-        MSGPACK.decode_frame(data)
-        for data in await exchange(client, TEST_SUBJECTS.generate, MSGPACK.encode(request))
-    ]
-    sizes = [len(f.token_ids) for f in coalesced]
-    # First token at once (TTFT unchanged), then INTERVAL per frame: 25 = 1 + 6 x 4. A worker
-    # that lags merges a request's pending outputs (both workers do, by design), so under load a
-    # frame may carry two intervals, never a part of one.
-    assert sizes[0] == 1 and sum(sizes) == tokens, sizes
-    assert all(size % INTERVAL == 0 for size in sizes[1:]), sizes
-    assert len(stepwise) > len(coalesced)
-    assert [f.seq for f in coalesced] == list(range(len(coalesced)))
-    assert [f.finish_reason for f in coalesced] == [None] * (len(coalesced) - 1) + ["length"]
-    for frame in coalesced:
-        assert len(frame.log_probs) == len(frame.top_logprobs) == len(frame.token_ids)
-        for token_id, logprob, row in zip(
-            frame.token_ids, frame.log_probs, frame.top_logprobs, strict=True
-        ):
-            check_row(row, token_id, logprob, 5, engine.table)
-
-    def flat(frames: list[ResponseFrame], name: str) -> list[Any]:
-        return [v for f in frames for v in getattr(f, name)]
-
-    assert flat(coalesced, "token_ids") == flat(stepwise, "token_ids")
-    for a, b in zip(flat(coalesced, "log_probs"), flat(stepwise, "log_probs"), strict=True):
-        assert abs(a - b) < 1e-4
-    ids = [[e.token_id for e in row] for row in flat(coalesced, "top_logprobs")]
-    assert ids == [[e.token_id for e in row] for row in flat(stepwise, "top_logprobs")]
-    assert coalesced[-1].completion_usage == stepwise[-1].completion_usage
 
 
 async def test_health_and_the_stats_line_while_it_serves(cli_worker: CliWorker, client) -> None:

@@ -195,6 +195,7 @@ async def _frames(nc, subject, request):
         yield frame
 
 
+@pytest.mark.own_engine
 async def test_demo_runs_on_embedded_nats_and_default_model() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -215,6 +216,7 @@ async def test_demo_runs_on_embedded_nats_and_default_model() -> None:
     assert "finish_reason='length'" in text and "completion_tokens=16" in text
 
 
+@pytest.mark.own_engine
 async def test_engine_death_answers_in_flight_and_exits_non_zero(
     nats_server, tiny_model, client
 ) -> None:

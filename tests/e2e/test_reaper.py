@@ -22,6 +22,8 @@ import pytest
 from tests.helpers import start_cli_worker
 from worker.engine import reaper
 
+pytestmark = pytest.mark.own_engine  # CI runs these beside the session-engine tests
+
 ROOT = Path(__file__).resolve().parents[2]
 REAPED = "vllm-nats-worker reaper: worker process"
 

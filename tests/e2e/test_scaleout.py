@@ -31,6 +31,8 @@ from worker.client.library import discovery_answers
 from worker.client.prefix_index import prefix_keys
 from worker.client.requests import make_request
 
+pytestmark = pytest.mark.own_engine  # CI runs these beside the session-engine tests
+
 PROMPT = [1, 300, 301, 302]
 
 
