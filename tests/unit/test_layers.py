@@ -54,14 +54,66 @@ def _project_graph() -> dict[str, set[str]]:
     return {_module_name(p): {n for n in _imports(p) if n in known} for p in paths}
 
 
-def test_only_the_engine_package_imports_vllm() -> None:
+# The frontend's one module that may import vllm (vLLM's request classes and output parsers),
+# and only inside functions: plain requests run without vllm installed.
+FRONTEND_VLLM_MODULE = ROOT / "worker" / "frontend" / "vllm_parsers.py"
+
+
+def test_only_the_engine_package_and_the_frontends_parsers_import_vllm() -> None:
     engine = ROOT / "worker" / "engine"
     offenders = [
         str(p.relative_to(ROOT))
         for p in _modules("worker", "messages")
-        if "vllm" in _top_level(_imports(p)) and engine not in p.parents
+        if "vllm" in _top_level(_imports(p))
+        and engine not in p.parents
+        and p != FRONTEND_VLLM_MODULE
     ]
     assert offenders == []
+    assert "vllm" in _top_level(_imports(FRONTEND_VLLM_MODULE))
+
+
+def _module_level_vllm_imports(source: str) -> list[int]:
+    """Lines of `import vllm…` / `from vllm… import` statements outside every function."""
+    tree = ast.parse(source)
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            inside.update(id(child) for child in ast.walk(node) if child is not node)
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        if any(n == "vllm" or n.startswith("vllm.") for n in names) and id(node) not in inside:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_frontends_vllm_imports_are_lazy() -> None:
+    """Every vllm import of worker/frontend/vllm_parsers.py is inside a function."""
+    assert _module_level_vllm_imports(FRONTEND_VLLM_MODULE.read_text()) == []
+
+
+def test_the_laziness_check_finds_a_module_level_import() -> None:
+    planted = "import os\nfrom vllm.parser import X\ndef f():\n    import vllm\n"
+    assert _module_level_vllm_imports(planted) == [2]
+
+
+def test_the_frontend_imports_without_vllm_or_torch() -> None:
+    code = (
+        "import sys\n"
+        "for blocked in ('vllm', 'torch'):\n"
+        "    sys.modules[blocked] = None  # importing it now raises ImportError\n"
+        "import worker.frontend.app, worker.frontend.cli, worker.frontend.vllm_parsers\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_only_the_nats_packages_and_the_publisher_side_import_nats() -> None:

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 # Bump when the recipe changes: the cache key must change with the saved files.
 # 2: the tokenizer has a chat template (the OpenAI frontend's /v1/chat/completions needs one).
-RECIPE_VERSION = 2
+# 3: the chat template renders tools and tool messages (hermes-style).
+RECIPE_VERSION = 3
 HIDDEN_SIZE = 128
 NUM_HEADS = 4  # head_dim 32: the smallest head size vLLM's CPU attention supports
 NUM_KV_HEADS = 2
@@ -37,10 +38,27 @@ LM_HEAD_SCALE = 30.0
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 # A plain role-tagged layout: one line per message, then the assistant's tag. vLLM's OpenAI
 # server and this project's frontend both render it, so their prompts are the same token ids.
+# Tools render hermes-style (vLLM's `hermes` tool parser reads the answer back): a system line
+# listing them in <tools>, an assistant's calls as <tool_call>{"name", "arguments"}</tool_call>,
+# a tool's answer in <tool_response>. Without tools the layout is the plain one.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "[{{ message['role'] }}] {{ message['content'] }}\n"
-    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    "{{ bos_token }}"
+    "{% if tools %}[system] You may call these tools: <tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools> Call one as "
+    '<tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "[tool] <tool_response>{{ message['content'] }}</tool_response>\n"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "[assistant] {{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] %}"
+    "<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}{{ '\\n' }}"  # a newline after a block tag is trimmed (HF's trim_blocks)
+    "{% else %}[{{ message['role'] }}] {{ message['content'] }}\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
 )
 
 

@@ -25,6 +25,7 @@ from worker.frontend.openai_shapes import (
 from worker.frontend.prompts import Prompt
 from worker.frontend.schemas import ChatCompletionRequest, CompletionRequest
 from worker.frontend.tokenizer import ModelTokenizer
+from worker.frontend.tool_calls import ChatOutput
 
 Choice = TypeVar("Choice", bound=ChatChoice | CompletionChoice)
 
@@ -90,12 +91,16 @@ def completion_chunk_choice(
 def chat_chunk_choice(
     choice: ChatChoice, delta: str, entries: list[dict[str, Any]], frame: ResponseFrame
 ) -> dict[str, Any] | None:
-    """A streamed chat choice; None when the frame brings nothing to send."""
-    if not delta and not entries and frame.finish_reason is None:
+    """A streamed chat choice; None when the frame brings nothing to send. With an output
+    parser the delta is the parser's (content, reasoning, tool calls), `{}` when it held the
+    text back from a frame that must still be sent (logprobs, the end), as vLLM's server."""
+    message = choice.delta(delta)
+    quiet = message is None if choice.parser is not None else not delta
+    if quiet and not entries and frame.finish_reason is None:
         return None
     return {
         "index": choice.index,
-        "delta": {"content": delta},
+        "delta": message if message is not None else {},
         "logprobs": {"content": entries} if choice.top_logprobs is not None else None,
         **ended(choice, frame),
     }
@@ -236,6 +241,7 @@ class ChatAnswer(Answer[ChatChoice]):
         prompt_tokens: int,
         body: ChatCompletionRequest,
         top_logprobs: int | None,
+        output: ChatOutput | None = None,
     ) -> None:
         choices = [
             ChatChoice(
@@ -244,6 +250,9 @@ class ChatAnswer(Answer[ChatChoice]):
                 top_logprobs,
                 stop=body.stop_strings,
                 include_stop=body.include_stop_str_in_output,
+                tools=None if output is None else output.choice,
+                parser=None if output is None else output.make_parser(),
+                streamed=body.stream,
             )
             for i in range(body.n)
         ]

@@ -91,8 +91,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="frontend processes on the port, each with its own event loop, tokenizer and NATS "
         "connection (worker/frontend/processes.py; default: %(default)s)",
     )
+    _add_parser_arguments(parser)
     parser.add_argument("--log-level", default="info")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    return args
+
+
+def _add_parser_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's output parser flags, as `vllm serve` names them."""
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="serve tool_choice auto (the default with tools): tool calls parsed from the "
+        "answer by --tool-call-parser, as vllm serve (needs vllm installed)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        help="vLLM's tool-call parser by name (e.g. hermes): required and named tool choices, "
+        "and auto with --enable-auto-tool-choice",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        help="vLLM's reasoning parser by name: the answer's reasoning in `reasoning`",
+    )
 
 
 def settings_of(args: argparse.Namespace) -> FrontendSettings:
@@ -110,6 +133,9 @@ def settings_of(args: argparse.Namespace) -> FrontendSettings:
         port=args.port,
         processes=args.processes,
         metrics_dir=getattr(args, "metrics_dir", None),
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
+from messages.request import (
+    GenerateRequest,
+    GuidedDecoding,
+    OutputOptions,
+    SamplingOptions,
+    StopConditions,
+)
 from worker.frontend.prompts import Prompt
 from worker.frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -32,7 +38,9 @@ def stop_conditions(body: SamplingFields, max_tokens: int | None) -> StopConditi
     )
 
 
-def sampling_options(body: SamplingFields) -> SamplingOptions:
+def sampling_options(body: SamplingFields, guided: GuidedDecoding | None = None) -> SamplingOptions:
+    """`guided`: the request's structured outputs as vLLM's request classes extracted them
+    (worker/frontend/vllm_parsers.py), the wire's `guided_decoding`."""
     return SamplingOptions(
         n=body.n,
         temperature=body.temperature,
@@ -44,11 +52,15 @@ def sampling_options(body: SamplingFields) -> SamplingOptions:
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         logit_bias=body.token_bias,
+        guided_decoding=guided,
     )
 
 
 def completion_requests(
-    body: CompletionRequest, request_id: str, prompts: Sequence[Prompt]
+    body: CompletionRequest,
+    request_id: str,
+    prompts: Sequence[Prompt],
+    guided: GuidedDecoding | None = None,
 ) -> list[GenerateRequest]:
     """One request per prompt. Prompt scoring (echo, max_tokens 0): the wire's max_tokens is
     >= 1, so one token is generated and dropped, as vLLM's server does; only the prompt and its
@@ -57,7 +69,7 @@ def completion_requests(
         GenerateRequest(
             request_id=prompt_request_id(request_id, i, body.batched),
             token_ids=prompt.token_ids,
-            sampling_options=sampling_options(body),
+            sampling_options=sampling_options(body, guided),
             stop_conditions=stop_conditions(body, 1 if body.scoring else body.max_tokens),
             output_options=completion_output(body),
         )
@@ -81,12 +93,15 @@ def chat_logprobs(body: ChatCompletionRequest) -> int | None:
 
 
 def chat_request(
-    body: ChatCompletionRequest, request_id: str, prompt_ids: list[int]
+    body: ChatCompletionRequest,
+    request_id: str,
+    prompt_ids: list[int],
+    guided: GuidedDecoding | None = None,
 ) -> GenerateRequest:
     return GenerateRequest(
         request_id=request_id,
         token_ids=prompt_ids,
-        sampling_options=sampling_options(body),
+        sampling_options=sampling_options(body, guided),
         stop_conditions=stop_conditions(body, body.token_limit),
         output_options=OutputOptions(logprobs=chat_logprobs(body)),
     )

@@ -23,7 +23,9 @@ from msgspec import UNSET
 
 from messages.frames import ResponseFrame, TopLogprob
 from worker.client.stops import held_back, stop_cut
+from worker.frontend import tool_calls
 from worker.frontend.tokenizer import ModelTokenizer
+from worker.frontend.tool_calls import OutputParser, Parsed, ToolChoice
 
 LOGPROB_FLOOR = -9999.0
 
@@ -114,18 +116,27 @@ def stop_reason(frame: ResponseFrame) -> str | int | None:
 
 @dataclass
 class ChatChoice:
-    """One chat choice being assembled, frame by frame."""
+    """One chat choice being assembled, frame by frame. `tools` (with `parser`, vLLM's output
+    parser of this choice, when one runs) shapes tool calls and reasoning as vLLM's server does
+    (worker/frontend/tool_calls.py); None: the text is the content."""
 
     index: int
     tokenizer: ModelTokenizer
     top_logprobs: int | None  # None: logprobs were not asked
     stop: list[str] | None = None
     include_stop: bool = False
+    tools: ToolChoice | None = None
+    parser: OutputParser | None = None
+    streamed: bool = False
     text: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    delta_message: dict[str, Any] | None = None
+    """Streamed with a parser: the last frame's delta (None: the parser held its text back)."""
+    streamed_calls: bool = False
 
     def __post_init__(self) -> None:
         self._text = ChoiceText(self.tokenizer, self.stop, self.include_stop)
@@ -144,14 +155,50 @@ class ChatChoice:
             self.stop_reason = stop_reason(frame)
         self.text += delta
         self.logprobs += entries
+        if self.parser is not None:
+            self._parse(delta, list(frame.token_ids), frame.finish_reason is not None)
         return delta, entries
 
+    def _parse(self, delta: str, token_ids: list[int], finished: bool) -> None:
+        """Non-streamed: the tokens kept for the final parse; streamed: the frame's delta
+        message, and the streamed finish reason."""
+        assert self.parser is not None and self.tools is not None
+        if not self.streamed:
+            self.token_ids += token_ids
+            return
+        message = self.parser.delta(delta, token_ids, finished)
+        if message is not None:
+            message = tool_calls.filter_delta(self.tools, message)
+            self.streamed_calls = self.streamed_calls or bool(message.get("tool_calls"))
+        self.delta_message = message
+        if finished:
+            self.finish_reason = tool_calls.streamed_finish_reason(
+                self.tools, self.streamed_calls, self.finish_reason
+            )
+
+    def delta(self, text: str) -> dict[str, Any] | None:
+        """A streamed chunk's `delta` for this frame's `text`; None: nothing to send (the
+        parser held it back)."""
+        if self.parser is None:
+            return {"content": text}
+        return self.delta_message
+
     def message(self) -> dict[str, Any]:
+        content: dict[str, Any] = {"role": "assistant", "content": self.text}
+        finish = self.finish_reason
+        if self.tools is not None:
+            parsed = (
+                self.parser.final(self.text, self.token_ids)
+                if self.parser is not None
+                else Parsed(None, self.text)
+            )
+            content, called = tool_calls.message(self.tools, parsed)
+            finish = tool_calls.finish_reason(self.tools, called, finish)
         return {
             "index": self.index,
-            "message": {"role": "assistant", "content": self.text},
+            "message": content,
             "logprobs": {"content": self.logprobs} if self.top_logprobs is not None else None,
-            "finish_reason": self.finish_reason,
+            "finish_reason": finish,
             "stop_reason": self.stop_reason,
         }
 

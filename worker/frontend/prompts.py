@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.frontend.errors import OpenAIError, invalid
-from worker.frontend.schemas import ChatMessage
+from worker.frontend.schemas import ChatMessage, InvalidField
 from worker.frontend.tokenizer import ChatTemplateMissing, ModelTokenizer
 
 
@@ -40,11 +40,18 @@ def encode_prompts(
 def encode_messages(
     tokenizer: ModelTokenizer, messages: Sequence[ChatMessage], **options: Any
 ) -> list[int]:
-    """The messages rendered by the chat template and encoded (`options`: encode_chat's)."""
+    """The messages rendered by the chat template and encoded (`options`: encode_chat's; `tools`
+    as vLLM hands them to the template). Tool calls and tool results reach the template as
+    vLLM passes them (ChatMessage.for_template)."""
+    rendered = []
+    for position, message in enumerate(messages):
+        try:
+            rendered.append(message.for_template())
+        except InvalidField as error:
+            rule = error.message[len(error.param) + 2 :]
+            raise invalid(f"messages.{position}.{error.param}", rule) from error
     try:
-        return tokenizer.encode_chat(
-            [{"role": m.role, "content": m.text()} for m in messages], **options
-        )
+        return tokenizer.encode_chat(rendered, **options)
     except ChatTemplateMissing as error:
         raise invalid("messages", str(error)) from error
     except Exception as error:  # a template that rejects these messages (roles, order)

@@ -2,9 +2,12 @@
 names the field, see errors.py).
 
 Every field is honoured or refused with a 400 that names it, never silently ignored, as the
-worker does on the wire: `best_of`, `suffix`, tools, response formats,
-`prompt_logprobs`, `skip_special_tokens: false`, guided decoding and any field not declared here
-are refused (`extra="forbid"`). Besides OpenAI's fields, vLLM's sampling extras `top_k`, `min_p`,
+worker does on the wire: `best_of`, `suffix`, `prompt_logprobs`, `skip_special_tokens: false`,
+the older `guided_*` fields (vLLM 0.32's server ignores them) and any field not declared here are
+refused (`extra="forbid"`). Structured outputs (`response_format`, `structured_outputs`) and
+(chat) `tools`, `tool_choice`, `parallel_tool_calls` are taken loosely typed here and checked
+with vLLM's own request classes (worker/frontend/vllm_parsers.py, only when a request sets them).
+Besides OpenAI's fields, vLLM's sampling extras `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and (chat)
 `chat_template_kwargs` are honoured, so requests written for vLLM's server work here too.
 Stop strings (`stop`, `include_stop_str_in_output`) go to the worker, which has vLLM match
@@ -18,6 +21,7 @@ OpenAI's bookkeeping fields that do not change an answer (`user`, `metadata`, `s
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any, Literal
 
@@ -74,6 +78,17 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # Structured outputs: OpenAI's `response_format` and vLLM's `structured_outputs`, checked
+    # and mapped to the wire's guided_decoding by vLLM's own classes (vllm_parsers.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @property
+    def structured(self) -> bool:
+        """Whether the request asks for structured outputs (a non-text `response_format`, or
+        `structured_outputs`)."""
+        text = self.response_format is None or self.response_format.get("type") == "text"
+        return self.structured_outputs is not None or not text
 
     @property
     def stop_strings(self) -> list[str] | None:
@@ -183,6 +198,11 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    # An assistant's earlier calls (OpenAI's shape, `function.arguments` a JSON string) and a
+    # tool's answer to one: they reach the chat template as vLLM passes them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -191,6 +211,43 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it (vLLM's rendering): the text content, and
+        the tool fields that were sent, tool-call arguments parsed into objects."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls is not None and self.role == "assistant":
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
+            if not message["tool_calls"]:
+                del message["tool_calls"]
+        if self.tool_call_id is not None and self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` for the chat template, by vLLM's rule
+    (`_postprocess_messages`): each `function.arguments` JSON string parsed to an object; one
+    that is empty, not JSON or not an object becomes `{}`."""
+    rendered = []
+    for position, call in enumerate(calls):
+        function = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise InvalidField(
+                f"tool_calls.{position}", "only tool calls of type 'function' are supported"
+            )
+        arguments = function.get("arguments")
+        parsed: Any = arguments if isinstance(arguments, dict) else None
+        if isinstance(arguments, str) and arguments:
+            try:
+                parsed = json.loads(arguments)
+            except json.JSONDecodeError:
+                parsed = None
+        arguments = parsed if isinstance(parsed, dict) else {}
+        rendered.append({**call, "function": {**function, "arguments": arguments}})
+    return rendered
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -198,19 +255,18 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    # Tools, checked by vLLM's ChatCompletionRequest (vllm_parsers.py): `tool_choice` left
+    # out means "auto" when there are tools, as in vLLM.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidField("top_logprobs", "only allowed when logprobs is true")
-        if self.tools:
-            raise InvalidField("tools", "not supported by this frontend")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise InvalidField("response_format", "only {'type': 'text'} is supported")
-        taken = {"add_generation_prompt", "tokenize", "conversation", "messages"}
+        taken = {"add_generation_prompt", "tokenize", "conversation", "messages", "tools"}
         if clash := sorted(taken & set(self.chat_template_kwargs or {})):
             raise InvalidField(
                 "chat_template_kwargs", f"{', '.join(clash)} are set by the frontend"
@@ -220,6 +276,11 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether vLLM's request classes must check this request (tools or a tool choice)."""
+        return self.tools is not None or "tool_choice" in self.model_fields_set
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -244,6 +305,8 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the tools rendered into the prompt by the chat template.
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(BaseModel):

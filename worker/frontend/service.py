@@ -22,7 +22,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from messages.frames import ResponseFrame
-from messages.request import GenerateRequest
+from messages.request import GenerateRequest, GuidedDecoding
 from worker.client import KvRouter, find_worker, generate, jetstream_stream, subjects_of
 from worker.frontend import sse
 from worker.frontend.answers import Answer
@@ -34,9 +34,17 @@ from worker.frontend.errors import (
     unknown_model,
 )
 from worker.frontend.metrics import FrontendMetrics
+from worker.frontend.schemas import ChatCompletionRequest, CompletionRequest
 from worker.frontend.settings import FrontendSettings
 from worker.frontend.streams import Batch, FrameSource, until_disconnected, watch_disconnect
 from worker.frontend.tokenizer import ModelTokenizer
+from worker.frontend.vllm_parsers import (
+    ChatPlan,
+    ParserNames,
+    chat_plan,
+    check_parsers,
+    completion_guided_decoding,
+)
 from worker.shared.log_text import loggable
 
 log = logging.getLogger(__name__)
@@ -67,6 +75,22 @@ class FrontendService:
         self._nc = nc
         self._connect = connect
         self._owned: NATS | None = None
+        self.parsers = ParserNames(
+            settings.tool_call_parser, settings.enable_auto_tool_choice, settings.reasoning_parser
+        )
+        if self.parsers.any:  # as vllm serve: a parser that does not exist fails the start
+            check_parsers(self.parsers, tokenizer.tokenizer)
+
+    def chat_plan(self, body: ChatCompletionRequest) -> ChatPlan | None:
+        """vLLM's handling of the request's structured outputs, tools and parsers (vllm is
+        imported for it); None for a plain request when no parser runs."""
+        if not (body.structured or body.uses_tools or self.parsers.any):
+            return None
+        return chat_plan(body, self.parsers, self.tokenizer.tokenizer)
+
+    def completion_guided(self, body: CompletionRequest) -> GuidedDecoding | None:
+        """A completions request's structured outputs as the wire's guided_decoding."""
+        return completion_guided_decoding(body) if body.structured else None
 
     async def start(self) -> None:
         if self._nc is None and self._connect is not None:

@@ -49,6 +49,15 @@ class FrontendSettings:
     """`/health`: how long to wait for a worker of the subject to answer discovery."""
     discovery_window_s: float = 0.25
     """`/v1/models`, `/tokenize`: how long to wait for a worker's `max_model_len`."""
+    tool_call_parser: str | None = None
+    """vLLM's tool-call parser by name (`--tool-call-parser`, e.g. `hermes`): tool calls are
+    parsed from the answers of requests with tools; `required` and named tool choices need it
+    (as in vLLM). Needs vllm installed (worker/frontend/vllm_parsers.py)."""
+    enable_auto_tool_choice: bool = False
+    """`--enable-auto-tool-choice`: `tool_choice: auto` (the default with tools) is served."""
+    reasoning_parser: str | None = None
+    """vLLM's reasoning parser by name (`--reasoning-parser`): the answer's reasoning is split
+    into the message's `reasoning` field. Needs vllm installed."""
 
     def __post_init__(self) -> None:
         if not self.model_names:

@@ -42,22 +42,25 @@ class ModelTokenizer:
 
     def encode_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
         *,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The chat template rendered (with the assistant's generation prompt unless told
         otherwise, as `/tokenize` may), then encoded without extra special tokens by default:
         the template already holds them (vLLM does the same). `template_kwargs`: the request's
-        `chat_template_kwargs`, variables of the template."""
+        `chat_template_kwargs`, variables of the template; `tools`: the request's tools, as
+        vLLM passes them (`tools=`, None without)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateMissing("the model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            tools=tools,
             **(template_kwargs or {}),
         )
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

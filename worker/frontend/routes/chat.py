@@ -1,5 +1,6 @@
-"""`POST /v1/chat/completions`: the messages rendered with the model's chat template, one NATS
-request."""
+"""`POST /v1/chat/completions`: the messages (and tools) rendered with the model's chat template,
+one NATS request; structured outputs, tool choices and output parsers as vLLM's server handles
+them (the service's chat plan, worker/frontend/vllm_parsers.py)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,20 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, service: Service
 ) -> JSONResponse | StreamingResponse:
     model = service.served_name(body.model)
+    plan = service.chat_plan(body)
     prompt_ids = encode_messages(
-        service.tokenizer, body.messages, template_kwargs=body.chat_template_kwargs
+        service.tokenizer,
+        body.messages,
+        template_kwargs=body.chat_template_kwargs,
+        tools=None if plan is None else plan.tool_dicts,
     )
     request_id = new_request_id("chatcmpl")
     service.log_accepted(request_id, model, body.user, 1)
     envelope = ResponseEnvelope(request_id, model)
-    answer = ChatAnswer(envelope, service.tokenizer, len(prompt_ids), body, chat_logprobs(body))
-    generate_request = chat_request(body, request_id, prompt_ids)
+    output = None if plan is None else plan.output(prompt_ids)
+    answer = ChatAnswer(
+        envelope, service.tokenizer, len(prompt_ids), body, chat_logprobs(body), output
+    )
+    guided = None if plan is None else plan.guided
+    generate_request = chat_request(body, request_id, prompt_ids, guided)
     return await respond(service, request, body, answer, [generate_request])

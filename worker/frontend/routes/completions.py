@@ -25,5 +25,6 @@ async def completions(
     service.log_accepted(request_id, model, body.user, len(prompts))
     envelope = ResponseEnvelope(request_id, model)
     answer = CompletionAnswer(envelope, service.tokenizer, prompts, body)
-    generate_requests = completion_requests(body, request_id, prompts)
+    guided = service.completion_guided(body)
+    generate_requests = completion_requests(body, request_id, prompts, guided)
     return await respond(service, request, body, answer, generate_requests)

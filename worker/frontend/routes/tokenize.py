@@ -17,6 +17,7 @@ from worker.frontend.schemas import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from worker.frontend.vllm_parsers import tool_dicts_of
 
 router = APIRouter()
 
@@ -42,6 +43,7 @@ async def tokenize(service: Service, body: dict[str, Any] = Body(...)) -> dict[s
             template_kwargs=parsed.chat_template_kwargs,
             add_generation_prompt=parsed.add_generation_prompt,
             add_special_tokens=parsed.add_special_tokens,
+            tools=tool_dicts_of(parsed.tools),
         )
     else:
         token_ids = tokenizer.encode_prompt(parsed.prompt, parsed.add_special_tokens)
