@@ -180,9 +180,13 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         # 16 to the queue group, mp-kv, 12 to the engine's subject
         assert samples[f"nats_worker_requests_total{{{outcome}}}"] == 29
 
-        # A cancel (the client leaving early) reaches whichever process serves the request.
+        # A cancel (the client leaving early) reaches whichever process serves the request: 8 x
+        # 500 tokens with logprobs, still running when the cancel comes, however late a loaded
+        # host lets this client read its first frame.
         async for frame in generate(
-            client, make_request("mp-cancel", PROMPT, max_tokens=400), subject=subjects.generate
+            client,
+            make_request("mp-cancel", PROMPT, max_tokens=500, n=8, temperature=1.0, logprobs=5),
+            subject=subjects.generate,
         ):
             if frame.token_ids:
                 break
