@@ -117,6 +117,8 @@ def _vllm_server(model: Path) -> VllmOpenAIServer:
         [
             "--model", str(model), "--dtype", "float32", "--max-model-len", "512",
             "--enforce-eager", "--max-logprobs", "20", "--seed", "0",
+            # tests/e2e/test_frontend_structured.py: tool calls as the frontend's hermes parser
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         ]
     )  # fmt: skip
 

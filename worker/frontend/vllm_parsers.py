@@ -82,9 +82,14 @@ def check_parsers(names: ParserNames, tokenizer: Any) -> None:
 @contextlib.contextmanager
 def needs_vllm(param: str) -> Iterator[None]:
     """A request field that needs vLLM's classes, in a frontend installed without vllm: a 400
-    naming the field (the frontend's `frontend` extra has no vllm)."""
+    naming the field (the frontend's `frontend` extra has no vllm). A refusal of vLLM's that
+    names no field names this one."""
     try:
         yield
+    except OpenAIError as error:
+        if error.param is not None:
+            raise
+        raise invalid(param, error.message) from error
     except ImportError as error:
         raise invalid(
             param, f"needs vllm installed beside the frontend (vLLM's request classes): {error}"
