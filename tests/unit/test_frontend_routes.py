@@ -98,7 +98,12 @@ async def test_v1_needs_the_api_key_and_the_other_routes_do_not(client: Any) -> 
         ("/v1/completions", {"prompt": "Hello", "suffix": "!"}, "suffix"),
         ("/v1/completions", {"prompt": "Hello", "guided_json": {}}, "guided_json"),
         ("/v1/completions", {"prompt": "Hello", "max_tokens": 0}, "max_tokens"),
-        ("/v1/chat/completions", {"messages": [{"role": "user"}], "tools": [{}]}, "tools"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "tools": "all"}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user"}], "response_format": "json"},
+            "response_format",
+        ),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user"}], "top_logprobs": 2},

@@ -362,3 +362,65 @@ def test_tool_choice_left_out_is_not_a_tool_request() -> None:
     assert not ChatCompletionRequest(messages=CHAT).uses_tools
     assert ChatCompletionRequest(messages=CHAT, tool_choice="none").uses_tools
     assert ChatCompletionRequest(messages=CHAT, tools=[]).uses_tools
+
+
+async def test_reasoning_in_the_message_and_the_deltas(
+    http: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reasoning parser's split: `reasoning` beside `content` (vLLM 0.32's field names)."""
+    plan = FakePlan(
+        ToolChoice(reasoning=True), [{"reasoning": "Hello"}, {"content": " world"}, None]
+    )
+    app = planned(monkeypatch, plan)
+    body = {"messages": CHAT, "stream": True}
+    payloads = events(await http(app).post("/v1/chat/completions", json=body))
+    assert [p["choices"][0]["delta"] for p in payloads[1:-1]] == [
+        {"reasoning": "Hello"},
+        {"content": " world"},
+        {},
+    ]
+
+    class Splitting(ScriptedParser):
+        def final(self, text: str, token_ids: list[int]) -> Parsed:
+            return Parsed("Hello", " world")
+
+    monkeypatch.setattr(
+        app.state.service,
+        "chat_plan",
+        lambda body: SimpleNamespace(
+            guided=None,
+            tool_dicts=None,
+            output=lambda ids: ChatOutput(ToolChoice(reasoning=True), lambda: Splitting([])),
+        ),
+    )
+    answer = (await http(app).post("/v1/chat/completions", json={"messages": CHAT})).json()
+    assert answer["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": " world",
+        "tool_calls": [],
+        "reasoning": "Hello",
+    }
+
+
+def test_the_parser_flags() -> None:
+    from worker.frontend.cli import parse_args, settings_of
+
+    args = parse_args(
+        ["--model", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+         "--reasoning-parser", "deepseek_r1"]
+    )  # fmt: skip
+    settings = settings_of(args)
+    assert (settings.tool_call_parser, settings.enable_auto_tool_choice) == ("hermes", True)
+    assert settings.reasoning_parser == "deepseek_r1"
+    assert settings_of(parse_args(["--model", "m"])).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--enable-auto-tool-choice"])
+    assert not ParserNames("hermes").any  # a tool parser without auto: none runs, as in vLLM
+    assert ParserNames("hermes", True).any and ParserNames(reasoning_parser="x").any
+
+
+@pytest.mark.skipif(not VLLM_BLOCKED, reason="vllm importable here")
+def test_a_parser_flag_without_vllm_fails_the_start() -> None:
+    with pytest.raises(ImportError):
+        app_of(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    app_of(tool_call_parser="hermes")  # no parser runs without --enable-auto-tool-choice
