@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerInfo, StreamState
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,8 +31,11 @@ from messages.codec import MSGPACK
 from messages.frames import ResponseFrame, TopLogprob
 from messages.request import GenerateRequest
 from messages.subjects import REPLY_HEADER, SERVICE_NAME, Subjects
-from worker.client import Completion, RequestEnd, complete, frame_payloads
+from worker.client import Completion, RequestEnd, complete, frame_payloads, generate
 from worker.client.library import discovery_answers
+from worker.config import JetStreamSettings
+from worker.engine.contract import Engine
+from worker.nats.intake.jetstream import stream_name
 from worker.shared.tokens import TokenTable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -371,3 +375,61 @@ def stats_env(interval_s: str) -> dict[str, str]:
     env["VLLM_LOG_STATS_INTERVAL"] = interval_s
     env["VLLM_LOGGING_LEVEL"] = "INFO"  # vLLM logs its stats line at INFO
     return env
+
+
+async def frame_list(
+    nc: NATS, subject: str, payload: bytes, *, json: bool = False, **options: Any
+) -> list[dict[str, Any]]:
+    """Every frame of one request as a map (`frame_maps`, read to the end; 30 s a frame)."""
+    options.setdefault("timeout", 30)
+    return [frame async for frame in frame_maps(nc, subject, payload, json=json, **options)]
+
+
+async def wait_engine_idle(engine: Engine, within: float) -> float:
+    """Seconds until the engine holds no request (`num_unfinished_requests`), or fail."""
+    started = time.monotonic()
+    while engine.num_unfinished_requests() != 0:
+        assert time.monotonic() - started < within, (
+            f"engine still holds {engine.num_unfinished_requests()} requests after {within}s"
+        )
+        await asyncio.sleep(0.01)
+    return time.monotonic() - started
+
+
+async def stream_state(
+    nc: NATS, subjects: Subjects, settings: JetStreamSettings
+) -> tuple[StreamState, ConsumerInfo]:
+    """A JetStream work queue's stream state and its durable consumer's info."""
+    js = nc.jetstream()
+    name = stream_name(subjects, settings)
+    return (await js.stream_info(name)).state, await js.consumer_info(name, settings.durable)
+
+
+async def settled_state(
+    nc: NATS, subjects: Subjects, settings: JetStreamSettings
+) -> tuple[StreamState, ConsumerInfo]:
+    """`stream_state` once the last acks landed (or after 5 s): a worker acks just after the
+    final frame, so the client may see its answer a moment before the stream does."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        state, consumer = await stream_state(nc, subjects, settings)
+        if (state.messages == 0 and consumer.num_ack_pending == 0) or time.monotonic() > deadline:
+            return state, consumer
+        await asyncio.sleep(0.05)
+
+
+async def final_reasons(
+    nc: NATS, request: GenerateRequest, subject: str, first: asyncio.Event, timeout: float = 5.0
+) -> str:
+    """Reads one request through the client library (`timeout` seconds a frame), setting `first`
+    at its first frame: its choices' finish reasons joined by commas, or the name of the error
+    that ended it (frames lost in a broker outage: the client's deadline ends it)."""
+    finals: list[str] = []
+    try:
+        async for frame in generate(nc, request, subject=subject, timeout=timeout):
+            first.set()
+            if frame.finish_reason is not None:
+                finals.append(frame.finish_reason)
+    except Exception as error:
+        return type(error).__name__
+    return ",".join(finals)

@@ -1,9 +1,13 @@
-"""End to end on a real nats-server and the real vLLM engine (CPU): the core request path."""
+"""End to end on a real nats-server and the real vLLM engine (CPU): the core request path's
+tokens and logprobs, checked against the engine in-process and against transformers, its
+frames' alignment, prompt logprobs and finish reasons.
+
+The core intake itself on the fake engines (bad payloads, the reply and instance subjects, JSON
+in and out): tests/integration/test_core_intake.py and test_malformed_payloads.py."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from pathlib import Path
 
 import msgspec
@@ -11,11 +15,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from messages.codec import JSON, MSGPACK
+from messages.codec import MSGPACK
 from tests.helpers import TEST_MAX_PAYLOAD, TEST_SUBJECTS, check_row, exchange, raw_frames
 from worker.client import complete, fold
 from worker.client.requests import make_request
-from worker.dev.embedded import NatsServer
 
 SUBJECT = TEST_SUBJECTS.generate
 PROMPT = [1, 300, 301, 302, 400, 401]
@@ -175,23 +178,6 @@ async def test_prompt_logprobs_complete_split_and_before_tokens(
     assert len(result.choices[0].token_ids) == 3
 
 
-async def test_json_request_answered_in_json(worker, client) -> None:
-    request = make_request("json-1", PROMPT, max_tokens=6, logprobs=3)
-    raw = await exchange(client, SUBJECT, JSON.encode(request), json=True)
-    wires = [msgspec.json.decode(data) for data in raw]  # every frame is JSON text
-    assert wires[-1]["finish_reason"] == "length"
-    assert isinstance(wires[0]["top_logprobs"][0][0]["bytes"], str)  # base64 in JSON
-    via_json = fold("json-1", [JSON.decode_frame(d) for d in raw], 1).choices[0]
-    via_msgpack = (
-        await complete(
-            client, make_request("mp-1", PROMPT, max_tokens=6, logprobs=3), subject=SUBJECT
-        )
-    ).choices[0]
-    assert via_json.token_ids == via_msgpack.token_ids
-    assert via_json.log_probs == via_msgpack.log_probs
-    assert via_json.top_logprobs == via_msgpack.top_logprobs
-
-
 async def test_sixteen_concurrent_streams_interleave_and_stay_correct(
     worker, client, engine, hf_model
 ) -> None:
@@ -252,182 +238,3 @@ async def test_finish_reasons_eos_stop_length(worker, client) -> None:
     ignored.eos_token_ids = [greedy[2]]
     got = (await complete(client, ignored, subject=SUBJECT)).choices[0]
     assert (got.finish_reason, got.token_ids) == ("length", greedy)
-
-
-def _req(**fields) -> dict:
-    return {"request_id": "bad", "token_ids": [1, 2, 3]} | fields
-
-
-BAD_INPUTS = [
-    ("garbage-bytes", b"\xc1\xff\x00garbage", False, "invalid payload", "malformed"),
-    ("garbage-json", b"{not json", True, "invalid payload", "JSON is malformed"),
-    ("not-a-map", msgspec.msgpack.encode([1, 2, 3]), False, "invalid payload", "Expected `object`"),
-    (
-        "token-ids-type",
-        msgspec.msgpack.encode(_req(token_ids="abc")),
-        False,
-        "$.token_ids",
-        "Expected `array`",
-    ),
-    (
-        "empty-token-ids",
-        msgspec.msgpack.encode(_req(token_ids=[])),
-        False,
-        "$.token_ids",
-        "length >= 1",
-    ),
-    (
-        "logprobs-abc",
-        msgspec.msgpack.encode(_req(output_options={"logprobs": "abc"})),
-        False,
-        "$.output_options.logprobs",
-        "Expected `int | null`, got `str`",
-    ),
-    (
-        "logprobs-negative",
-        msgspec.msgpack.encode(_req(output_options={"logprobs": -1})),
-        False,
-        "$.output_options.logprobs",
-        ">= 0",
-    ),
-    (
-        "logprobs-above-max",
-        msgspec.msgpack.encode(_req(output_options={"logprobs": 21})),
-        False,
-        "output_options.logprobs",
-        "must be <= 20 (the engine's max_logprobs), got 21",
-    ),
-    (
-        "prompt-logprobs-above-max",
-        msgspec.msgpack.encode(_req(output_options={"prompt_logprobs": 99})),
-        False,
-        "output_options.prompt_logprobs",
-        "must be <= 20",
-    ),
-    (
-        "token-out-of-vocab",
-        msgspec.msgpack.encode(_req(token_ids=[1, 5000])),
-        False,
-        "token_ids[1]",
-        "token id 5000 is outside the vocabulary (must be < 1024)",
-    ),
-    (
-        "stop-token-out-of-vocab",
-        msgspec.msgpack.encode(_req(stop_conditions={"stop_token_ids": [99999]})),
-        False,
-        "stop_conditions.stop_token_ids[0]",
-        "outside the vocabulary",
-    ),
-    (
-        "logit-bias-out-of-vocab",
-        msgspec.msgpack.encode(_req(sampling_options={"logit_bias": {3: 1.0, 5000: 2.0}})),
-        False,
-        "sampling_options.logit_bias",
-        "token id 5000 is outside the vocabulary (must be < 1024)",
-    ),
-    (
-        "prompt-too-long",
-        msgspec.msgpack.encode(_req(token_ids=[5] * 600)),
-        False,
-        "token_ids",
-        "prompt of 600 tokens leaves no room to generate: must be < max_model_len 512",
-    ),
-    (
-        "max-tokens-too-many",
-        msgspec.msgpack.encode(_req(stop_conditions={"max_tokens": 510})),
-        False,
-        "stop_conditions.max_tokens",
-        "prompt (3) + max_tokens (510) must be <= max_model_len 512",
-    ),
-    (
-        "empty-stop-string",
-        msgspec.msgpack.encode(_req(stop_conditions={"stop": ["\n", ""]})),
-        False,
-        "$.stop_conditions.stop[1]",
-        "length >= 1",
-    ),
-    (
-        "beam-search",
-        msgspec.msgpack.encode(_req(sampling_options={"use_beam_search": True})),
-        False,
-        "sampling_options.use_beam_search",
-        "not supported",
-    ),
-    (
-        "n-too-large",
-        msgspec.msgpack.encode(_req(sampling_options={"n": 100})),
-        False,
-        "sampling_options.n",
-        "must be <= 16",
-    ),
-    (
-        "temperature-string",
-        msgspec.json.encode(_req(sampling_options={"temperature": "hot"})),
-        True,
-        "$.sampling_options.temperature",
-        "Expected `float | null`, got `str`",
-    ),
-    (
-        "missing-request-id",
-        msgspec.msgpack.encode({"token_ids": [1]}),
-        False,
-        "invalid payload",
-        "missing required field `request_id`",
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    ("payload", "json", "field", "rule"),
-    [c[1:] for c in BAD_INPUTS],
-    ids=[c[0] for c in BAD_INPUTS],
-)
-async def test_bad_input_gets_one_error_frame_then_good_request_served(
-    worker, client, payload: bytes, json: bool, field: str, rule: str
-) -> None:
-    raw = await exchange(client, SUBJECT, payload, json=json, timeout=30)
-    assert len(raw) == 1
-    wire = (msgspec.json.decode if json else msgspec.msgpack.decode)(raw[0])
-    assert wire["finish_reason"] == "error"
-    assert wire["error"]["code"] == "invalid_request"
-    assert field in wire["error"]["message"] and rule in wire["error"]["message"], wire["error"][
-        "message"
-    ]
-    assert wire["seq"] == 0
-    if b"bad" in payload:
-        assert wire["request_id"] == "bad"
-    good = await complete(
-        client, make_request("after-bad", PROMPT, max_tokens=2, logprobs=1), subject=SUBJECT
-    )
-    assert good.choices[0].finish_reason == "length" and len(good.choices[0].token_ids) == 2
-
-
-async def test_request_without_reply_subject_is_refused_not_run(
-    worker, client, engine, caplog
-) -> None:
-    caplog.set_level(logging.WARNING, logger="worker.service")
-    served = worker.service.served
-    await client.publish(SUBJECT, MSGPACK.encode(make_request("no-reply", PROMPT, max_tokens=50)))
-    await client.flush()
-    for _ in range(100):
-        if "without a reply subject" in caplog.text:
-            break
-        await asyncio.sleep(0.02)
-    assert "without a reply subject" in caplog.text
-    assert engine.num_unfinished_requests() == 0 and worker.service.served == served
-    good = await complete(
-        client, make_request("after-no-reply", PROMPT, max_tokens=2), subject=SUBJECT
-    )
-    assert good.choices[0].finish_reason == "length"
-
-
-async def test_instance_subject_routes_to_this_worker(worker, client) -> None:
-    subject = TEST_SUBJECTS.instance(worker.config.instance_id)
-    result = await complete(client, make_request("direct", PROMPT, max_tokens=3), subject=subject)
-    assert result.choices[0].finish_reason == "length"
-
-
-def test_default_server_has_large_max_payload() -> None:
-    # The tests' server is shrunk on purpose; a default embedded server is not.
-    with NatsServer(jetstream=False) as server:
-        assert server.url.startswith("nats://127.0.0.1:")

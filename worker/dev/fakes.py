@@ -113,10 +113,18 @@ class FakePrefixCache:
 
 
 class PacedFakeEngine:
-    def __init__(self, step_s: float = 0.05, cache: FakePrefixCache | None = None) -> None:
+    def __init__(
+        self,
+        step_s: float = 0.05,
+        cache: FakePrefixCache | None = None,
+        *,
+        limits: EngineLimits | None = None,
+    ) -> None:
+        """`limits`: what requests are validated against (default: a context of 2**20 tokens);
+        e.g. the tiny model's, where a test checks the refusals the real engine's limits give."""
         self.step_s = step_s
         self.cache = cache
-        self.limits = EngineLimits(
+        self.limits = limits or EngineLimits(
             model="paced-fake", max_logprobs=20, vocab_size=1024, max_model_len=1 << 20
         )
         self.running = 0

@@ -1,6 +1,7 @@
 """worker.client retries a retryable refusal (`overloaded`, `worker_shutdown`) on another worker,
 found through NATS micro discovery, only while nothing was yielded; bounded; RequestError when
-no worker is left. Real nats-server, the session's real vLLM engine, several workers on it."""
+no worker is left. Real nats-server, several workers on paced fake engines (a request of 450
+tokens runs 4.5 s: a worker it occupies is full meanwhile)."""
 
 from __future__ import annotations
 
@@ -51,11 +52,11 @@ async def settled(worker: WorkerRuntime) -> WorkerRuntime:
     raise AssertionError(f"worker still has {worker.service.in_flight} requests in flight")
 
 
-async def test_discovery_lists_the_workers_of_a_subject(extra_worker, client) -> None:
+async def test_discovery_lists_the_workers_of_a_subject(fake_worker, client) -> None:
     subjects = Subjects("disco", "vllm", "generate")
-    await extra_worker(subjects, instance_id="full", max_concurrency=1)
-    await extra_worker(subjects, instance_id="free")
-    await extra_worker(Subjects("elsewhere", "vllm", "generate"), instance_id="other")
+    await fake_worker(subjects, instance_id="full", max_concurrency=1)
+    await fake_worker(subjects, instance_id="free")
+    await fake_worker(Subjects("elsewhere", "vllm", "generate"), instance_id="other")
     async with occupied(client, subjects.instance("full"), "disco-busy"):
         found = {w.instance_id: w for w in await discover_workers(client, subjects.generate)}
     assert sorted(found) == ["free", "full"]
@@ -65,10 +66,10 @@ async def test_discovery_lists_the_workers_of_a_subject(extra_worker, client) ->
     assert found["free"].max_concurrency is None and found["free"].has_capacity
 
 
-async def test_refusal_on_an_instance_is_retried_on_another_worker(extra_worker, client) -> None:
+async def test_refusal_on_an_instance_is_retried_on_another_worker(fake_worker, client) -> None:
     subjects = Subjects("retry", "vllm", "generate")
-    full = await extra_worker(subjects, instance_id="full", max_concurrency=1)
-    free = await extra_worker(subjects, instance_id="free")
+    full = await fake_worker(subjects, instance_id="full", max_concurrency=1)
+    free = await fake_worker(subjects, instance_id="free")
     async with occupied(client, subjects.instance("full"), "retry-busy"):
         frames = [
             frame
@@ -87,10 +88,10 @@ async def test_refusal_on_an_instance_is_retried_on_another_worker(extra_worker,
     assert free.service.served == 1 and (await settled(full)).service.served == 1
 
 
-async def test_refusals_through_the_queue_group_are_retried(extra_worker, client) -> None:
+async def test_refusals_through_the_queue_group_are_retried(fake_worker, client) -> None:
     subjects = Subjects("retryq", "vllm", "generate")
-    full = await extra_worker(subjects, instance_id="full", max_concurrency=0)
-    free = await extra_worker(subjects, instance_id="free")
+    full = await fake_worker(subjects, instance_id="full", max_concurrency=0)
+    free = await fake_worker(subjects, instance_id="free")
     sent = 0
     # Batches of 8 over 2 queue members until the full one was reached (each batch misses it
     # with probability 2**-8, too often for one batch alone).
@@ -108,9 +109,9 @@ async def test_refusals_through_the_queue_group_are_retried(extra_worker, client
     assert sum(stats.num_errors for stats in full.service.stats.values()) >= 1
 
 
-async def test_exhausted_retries_raise_a_clear_request_error(extra_worker, client) -> None:
+async def test_exhausted_retries_raise_a_clear_request_error(fake_worker, client) -> None:
     subjects = Subjects("retryx", "vllm", "generate")
-    await extra_worker(subjects, instance_id="only", max_concurrency=1)
+    await fake_worker(subjects, instance_id="only", max_concurrency=1)
     async with occupied(client, subjects.instance("only"), "rx-busy"):
         with pytest.raises(RequestError) as refused:
             await complete(client, make_request("rx-1", PROMPT), subject=subjects.generate)
@@ -126,10 +127,10 @@ async def test_exhausted_retries_raise_a_clear_request_error(extra_worker, clien
     assert direct.value.message.startswith("refused after 1 attempt(s): only: worker at ")
 
 
-async def test_no_retry_once_output_began(extra_worker, client, engine) -> None:
+async def test_no_retry_once_output_began(fake_worker, client) -> None:
     subjects = Subjects("retrylate", "vllm", "generate")
-    busy = await extra_worker(subjects, instance_id="busy")
-    other = await extra_worker(subjects, instance_id="other")
+    busy = await fake_worker(subjects, instance_id="busy")
+    other = await fake_worker(subjects, instance_id="other")
     frames = []
     async for frame in generate(
         client,
