@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -363,3 +364,39 @@ async def test_the_openai_clients_tool_call_stream_helper(frontend, tiny_model) 
     assert "".join(argument_deltas) == call.function.arguments
     assert names == ["GetWeather"]
     assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+@pytest.fixture(scope="module")
+async def reasoning_frontend(worker, nats_server, tiny_model: Path) -> AsyncIterator[str]:
+    """The frontend with vLLM's `qwen3` reasoning parser (one the tiny tokenizer can serve: its
+    `<think>` tags are plain text here)."""
+    nc = await nats.connect(nats_server.url)
+    settings = FrontendSettings(
+        model_names=(str(tiny_model),), subject=TEST_SUBJECTS.generate, reasoning_parser="qwen3"
+    )
+    app = create_app(settings, ModelTokenizer.load(tiny_model), nc=nc)
+    async with serving(app) as base:
+        yield base + "/v1"
+    await nc.close()
+
+
+async def test_a_reasoning_parser_splits_reasoning_from_the_answer(
+    reasoning_frontend, tiny_model
+) -> None:
+    """The output forced into `<think>…</think>…` (a regex): vLLM's parser puts the thinking in
+    `reasoning` (vLLM 0.32's field) and the rest in `content`, streamed as `delta.reasoning`
+    then `delta.content`."""
+    regex = "<think>[a-z]{2,8}( [a-z]{2,8})?</think>[a-z]{2,8}( [a-z]{2,8})?"
+    body = greedy(tiny_model, messages=CHAT, structured_outputs={"regex": regex})
+    answer = (await post(reasoning_frontend, "/chat/completions", body))["choices"][0]
+    assert answer["finish_reason"] == "stop"
+    message = answer["message"]
+    assert message["reasoning"] and message["content"]
+    assert re.fullmatch(regex, f"<think>{message['reasoning']}</think>{message['content']}")
+    chunks = await sse(reasoning_frontend, "/chat/completions", body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    streamed_reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+    streamed_content = "".join(d.get("content") or "" for d in deltas)
+    assert (streamed_reasoning, streamed_content) == (message["reasoning"], message["content"])
+    plain = await post(reasoning_frontend, "/chat/completions", greedy(tiny_model, messages=CHAT))
+    assert "reasoning" in plain["choices"][0]["message"]
