@@ -258,35 +258,17 @@ async def _run(
         f"(instance {config.instance_id}) via {ready.nats_url}"
         + (f", metrics http://{args.metrics_host}:{metrics_port}/metrics" if metrics_port else "")
     )
-    stopping = asyncio.create_task(
-        _record_health_on_stop(stop, service.engine_dead, current, metrics)
-    )
     try:
         if on_ready is not None:
             await on_ready(ready)
-        return await runtime.run(stop)
+        # The health gauges say "draining" or "engine dead" at once, not at the next publish.
+        return await runtime.run(stop, on_stopping=lambda: health.record(metrics, current()))
     finally:
-        for task in (*background, stopping):
+        for task in background:
             task.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await runtime.stop()
-
-
-async def _record_health_on_stop(
-    stop: asyncio.Event,
-    engine_dead: asyncio.Event,
-    current: Callable[[], health.ProcessHealth],
-    metrics: WorkerMetrics,
-) -> None:
-    """The health gauges say "draining" or "engine dead" at once, not at the next publish."""
-    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(engine_dead.wait())]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        health.record(metrics, current())
-    finally:
-        for wait in waits:
-            wait.cancel()
 
 
 def setup_logging(level: str) -> None:

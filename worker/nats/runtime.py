@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -108,10 +109,11 @@ class WorkerRuntime:
         await flush_ordered(self.nc)
         log.info("serving %s as %s id %s", serving, SERVICE_NAME, self.discovery.id)
 
-    async def run(self, stop: asyncio.Event) -> int:
+    async def run(self, stop: asyncio.Event, on_stopping: Callable[[], None] | None = None) -> int:
         """The lifecycle after `start`: serves until `stop` is set (drain, exit status 0), the
         engine dies (in-flight requests end with `engine_error`, 1) or the intake fails (drain,
-        1); the engine's health is checked meanwhile. Stops the runtime before it returns."""
+        1); the engine's health is checked meanwhile. `on_stopping` is called once, as soon as
+        one of those happened (before the drain). Stops the runtime before it returns."""
         service = self.service
         watch = asyncio.create_task(service.watch_engine())
         waits = [
@@ -121,6 +123,8 @@ class WorkerRuntime:
         ]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if on_stopping is not None:
+                on_stopping()
             if self.intake.failed.is_set():
                 log.error("the intake failed: draining and exiting non-zero")
                 await self.drain(self.config.drain_timeout_s)
