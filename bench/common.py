@@ -84,3 +84,15 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
 def offline() -> None:
     """Benchmarks run where there is no model hub: the models are built locally."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def add_sweep_arguments(group: Any, name: str) -> None:
+    """The load sweep bench.worker_overhead and bench.vs_vllm_serve share: concurrencies ×
+    logprob settings, and where the JSON goes (`group`: a parser or an argument group)."""
+    group.add_argument("--concurrency", default="1,8,32")
+    group.add_argument("--logprobs", default="off,5,20")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--prompt-len", type=int, default=32)
+    group.add_argument("--repeats", type=int, default=5)
+    group.add_argument("--requests-per-stream", type=int, default=8)
+    group.add_argument("--name", default=name, help="JSON file name under bench/out")

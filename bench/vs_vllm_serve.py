@@ -25,7 +25,7 @@ import time
 
 import nats
 
-from bench.common import table, write_json
+from bench.common import add_sweep_arguments, table, write_json
 from bench.load import NatsSender, OpenAISender, alternate, prompts, runner
 from bench.vllm_server import VllmOpenAIServer
 from messages.subjects import Subjects
@@ -38,13 +38,7 @@ SIDES = ("worker", "vllm serve")
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     bench = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench.add_argument("--concurrency", default="1,8,32")
-    bench.add_argument("--logprobs", default="off,5,20")
-    bench.add_argument("--max-tokens", type=int, default=64)
-    bench.add_argument("--prompt-len", type=int, default=32)
-    bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--requests-per-stream", type=int, default=8)
-    bench.add_argument("--name", default="vs_vllm_serve", help="JSON file name under bench/out")
+    add_sweep_arguments(bench, "vs_vllm_serve")
     args, engine_argv = bench.parse_known_args(argv)
     if "--model" not in engine_argv:
         from worker.dev.tiny_model import ensure_tiny_model

@@ -27,7 +27,7 @@ import time
 
 import nats
 
-from bench.common import table, write_json
+from bench.common import add_sweep_arguments, table, write_json
 from bench.load import DirectSender, NatsSender, RunResult, alternate, prompts, runner
 from bench.load_process import LoadProcess
 from messages.subjects import Subjects
@@ -43,13 +43,7 @@ GOAL = {"concurrency": 32, "logprobs": 5, "tokens_per_s_ratio": 0.97}
 def _parse(argv: list[str]):
     parser = build_parser()
     bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--concurrency", default="1,8,32")
-    bench.add_argument("--logprobs", default="off,5,20")
-    bench.add_argument("--max-tokens", type=int, default=64)
-    bench.add_argument("--prompt-len", type=int, default=32)
-    bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--requests-per-stream", type=int, default=8)
-    bench.add_argument("--name", default="worker_overhead", help="JSON file name under bench/out")
+    add_sweep_arguments(bench, "worker_overhead")
     bench.add_argument(
         "--load-process",
         action="store_true",

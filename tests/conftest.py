@@ -12,7 +12,6 @@ worker on a real nats-server (JetStream on, its own temp dir, a free loopback po
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import sys
@@ -25,7 +24,6 @@ from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry
 
 from bench.vllm_server import VllmOpenAIServer
-from messages.subjects import Subjects
 from tests.helpers import TEST_MAX_PAYLOAD, TEST_SUBJECTS
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
@@ -35,9 +33,7 @@ from worker.metrics import WorkerMetrics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; models are built locally
 
 LAYERS = ("unit", "integration", "e2e")
-SESSION_ENGINE_FIXTURES = frozenset(
-    {"engine", "worker", "worker_metrics", "extra_worker", "vllm_server"}
-)
+SESSION_ENGINE_FIXTURES = frozenset({"engine", "worker", "worker_metrics", "vllm_server"})
 _HEAVY = ("vllm", "torch")
 
 
@@ -179,27 +175,3 @@ async def client(nats_server: NatsServer) -> AsyncIterator[NATS]:
     nc = await nats.connect(nats_server.url)
     yield nc
     await nc.close()
-
-
-@pytest.fixture
-async def extra_worker(engine, nats_server):
-    """Makes more workers on the session's engine (own connection, subjects and settings)."""
-    from worker.nats.runtime import WorkerRuntime, open_worker
-
-    made: list[WorkerRuntime] = []
-
-    async def make(subjects: Subjects, **settings) -> WorkerRuntime:
-        config = WorkerConfig(
-            nats=NatsConfig(servers=[settings.pop("url", nats_server.url)]),
-            subjects=subjects,
-            **settings,
-        )
-        runtime = await open_worker(engine, config)
-        made.append(runtime)
-        return runtime
-
-    yield make
-    for runtime in made:
-        # A stop that hangs fails the test with the stack it waited in (wait_for's
-        # TimeoutError chains the cancelled coroutine's), not by CI's 90-minute limit.
-        await asyncio.wait_for(runtime.stop(), 60)

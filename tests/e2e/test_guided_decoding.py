@@ -49,14 +49,6 @@ def tokenizer(tiny_model) -> ModelTokenizer:
     return ModelTokenizer.load(tiny_model)
 
 
-def _text(tokenizer: ModelTokenizer, token_ids: list[int]) -> str:
-    decoder = tokenizer.text_decoder()
-    for token_id in token_ids:
-        decoder.feed(token_id)
-    decoder.finish()
-    return decoder.text
-
-
 def _payload(codec: Codec, request_id: str, guided: dict[str, Any], **fields: Any) -> bytes:
     """A request as a client writes it: plain maps, the wire's field names spelled out."""
     body: dict[str, Any] = {
@@ -133,7 +125,7 @@ async def test_a_choice_is_exactly_one_of_the_choices_as_vllm_gives_it(
         client, engine, codec, f"gd-choice-{codec.content_type}", {"choice": CHOICES}
     )
     assert final["finish_reason"] == "eos"  # the choice complete, only EOS was allowed
-    text = _text(tokenizer, token_ids)
+    text = tokenizer.text(token_ids)
     assert text in CHOICES
     reference = await _vllm(engine, f"gd-choice-ref-{codec.content_type}", PROMPT, choice=CHOICES)
     assert token_ids == list(reference.token_ids)
@@ -148,7 +140,7 @@ async def test_a_regex_is_fullmatched_as_vllm_gives_it(
         client, engine, codec, f"gd-regex-{codec.content_type}", {"regex": REGEX}
     )
     assert final["finish_reason"] == "eos"
-    text = _text(tokenizer, token_ids)
+    text = tokenizer.text(token_ids)
     assert re.fullmatch(REGEX, text), text
     reference = await _vllm(engine, f"gd-regex-ref-{codec.content_type}", PROMPT, regex=REGEX)
     assert token_ids == list(reference.token_ids)
@@ -171,7 +163,7 @@ async def test_a_json_schema_run_that_ends_by_itself_validates(
     )
     assert final["finish_reason"] == "eos"  # it closed the object, not cut at max_tokens
     assert len(token_ids) < MAX_TOKENS
-    text = _text(tokenizer, token_ids)
+    text = tokenizer.text(token_ids)
     answer = json.loads(text)  # valid against SCHEMA: exactly "color", one of its enum
     assert list(answer) == ["color"] and answer["color"] in SCHEMA["properties"]["color"]["enum"]
     reference = await _vllm(engine, "gd-json-ref", JSON_PROMPT, json=SCHEMA)
@@ -186,7 +178,7 @@ async def test_a_grammar_is_followed(
         client, engine, codec, f"gd-grammar-{codec.content_type}", {"grammar": GRAMMAR}
     )
     assert final["finish_reason"] == "eos"
-    text = _text(tokenizer, token_ids)
+    text = tokenizer.text(token_ids)
     assert re.fullmatch(r"\([0-9]\+[0-9]\)", text), text
     reference = await _vllm(engine, "gd-grammar-ref", PROMPT, grammar=GRAMMAR)
     assert token_ids == list(reference.token_ids)
@@ -207,7 +199,7 @@ async def test_sampled_choices_each_hold_the_constraint_with_rows_aligned(
         assert [f["finish_reason"] for f in frames][-1] == "eos"
         for frame in frames:
             assert len(frame["log_probs"]) == len(frame["token_ids"]) == len(frame["top_logprobs"])
-        text = _text(tokenizer, [t for f in frames for t in f["token_ids"]])
+        text = tokenizer.text([t for f in frames for t in f["token_ids"]])
         assert text in CHOICES
 
 
@@ -222,7 +214,7 @@ async def _refused(client, codec: Codec, request_id: str, guided: dict[str, Any]
 
 async def _next_is_served(client, engine, tokenizer: ModelTokenizer, request_id: str) -> None:
     token_ids, final = await _served(client, engine, MSGPACK, request_id, {"choice": CHOICES})
-    assert final["finish_reason"] == "eos" and _text(tokenizer, token_ids) in CHOICES
+    assert final["finish_reason"] == "eos" and tokenizer.text(token_ids) in CHOICES
 
 
 @pytest.mark.parametrize(
@@ -345,7 +337,7 @@ async def test_jetstream_mode_honours_guided_decoding(
             assert attempts == [1] and completion.error is None
             (choice,) = completion.choices
             assert choice.finish_reason == "eos"
-            assert _text(tokenizer, choice.token_ids) in CHOICES
+            assert tokenizer.text(choice.token_ids) in CHOICES
             assert len(choice.log_probs) == len(choice.token_ids) == len(choice.top_logprobs)
 
             refused = codec.decode_request(_payload(codec, "gdjs-refused", {"regex": "(ab"}))
@@ -359,6 +351,6 @@ async def test_jetstream_mode_honours_guided_decoding(
             assert "The parenthesis is not closed" in completion.error.message
         regex = MSGPACK.decode_request(_payload(MSGPACK, "gdjs-regex", {"regex": REGEX}))
         completion, _ = await jetstream_complete(client, regex, subjects=subjects)
-        assert re.fullmatch(REGEX, _text(tokenizer, completion.choices[0].token_ids))
+        assert re.fullmatch(REGEX, tokenizer.text(completion.choices[0].token_ids))
     finally:
         await runtime.stop()

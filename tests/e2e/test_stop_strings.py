@@ -52,21 +52,12 @@ def tokenizer(tiny_model) -> ModelTokenizer:
     return ModelTokenizer.load(tiny_model)
 
 
-def _text(tokenizer: ModelTokenizer, token_ids: list[int]) -> str:
-    """The text the frontend makes of tokens (worker.frontend.tokenizer.TextDecoder)."""
-    decoder = tokenizer.text_decoder()
-    for token_id in token_ids:
-        decoder.feed(token_id)
-    decoder.finish()
-    return decoder.text
-
-
 @pytest.fixture(scope="module")
 async def stop_string(engine, tokenizer) -> str:
     """A stop string from vLLM's greedy text: 3 characters ending a third of the way in, so the
     answer stops well before max_tokens; the frontend's decoding of the tokens is vLLM's text."""
     base = await _vllm(engine, "stop-base")
-    assert _text(tokenizer, list(base.token_ids)) == base.text
+    assert tokenizer.text(list(base.token_ids)) == base.text
     end = len(base.text) // 3
     candidate = base.text[max(0, end - 3) : end]
     assert len(candidate.strip()) == len(candidate) == 3, base.text
@@ -105,8 +96,8 @@ async def test_a_stop_string_ends_the_choice_where_vllm_ends_it(
         for token_id, row in zip(wire["token_ids"], wire["top_logprobs"], strict=True):
             assert token_id in [entry["token_id"] for entry in row]
 
-    text = _text(tokenizer, token_ids)
-    before_last = len(_text(tokenizer, token_ids[:-1]))
+    text = tokenizer.text(token_ids)
+    before_last = len(tokenizer.text(token_ids[:-1]))
     assert stop_string in text[max(0, before_last - len(stop_string) + 1) :]
     assert text[: stop_cut(text, before_last, stop_string, include)] == reference.text
     assert engine.num_unfinished_requests() == 0
@@ -122,9 +113,9 @@ async def test_the_client_library_reports_the_stop_reason_of_each_choice(
     result = await complete(client, request, subject=SUBJECT)
     for choice in result.choices:  # each choice stops on its own first vowel
         assert choice.finish_reason == "stop" and choice.stop_reason in vowels, choice
-        text = _text(tokenizer, choice.token_ids)
+        text = tokenizer.text(choice.token_ids)
         assert choice.stop_reason in text
-        assert not any(v in _text(tokenizer, choice.token_ids[:-1]) for v in vowels)
+        assert not any(v in tokenizer.text(choice.token_ids[:-1]) for v in vowels)
     # A stop token keeps vLLM's stop_reason too: the token id.
     greedy = make_request("stop-greedy", PROMPT, max_tokens=4)
     token = (await complete(client, greedy, subject=SUBJECT)).choices[0].token_ids[1]

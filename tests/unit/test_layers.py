@@ -102,18 +102,25 @@ def test_the_laziness_check_finds_a_module_level_import() -> None:
     assert _module_level_vllm_imports(planted) == [2]
 
 
-def test_the_frontend_imports_without_vllm_or_torch() -> None:
+def _import_blocking(blocked: tuple[str, ...], modules: str) -> None:
+    """Imports `modules` in a fresh interpreter where importing any of `blocked` fails."""
     code = (
         "import sys\n"
-        "for blocked in ('vllm', 'torch'):\n"
+        f"for blocked in {blocked!r}:\n"
         "    sys.modules[blocked] = None  # importing it now raises ImportError\n"
-        "import worker.frontend.app, worker.frontend.cli, worker.frontend.vllm_parsers\n"
+        f"import {modules}\n"
         "print('ok')\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_frontend_imports_without_vllm_or_torch() -> None:
+    _import_blocking(
+        ("vllm", "torch"), "worker.frontend.app, worker.frontend.cli, worker.frontend.vllm_parsers"
+    )
 
 
 def test_only_the_nats_packages_and_the_publisher_side_import_nats() -> None:
@@ -190,14 +197,7 @@ def test_the_cycle_check_finds_a_planted_cycle() -> None:
 
 
 def test_messages_and_the_client_import_without_vllm_or_torch() -> None:
-    code = (
-        "import sys\n"
-        "for blocked in ('vllm', 'torch', 'transformers'):\n"
-        "    sys.modules[blocked] = None  # importing it now raises ImportError\n"
-        "import messages, worker.client, worker.client.__main__, worker.config\n"
-        "print('ok')\n"
+    _import_blocking(
+        ("vllm", "torch", "transformers"),
+        "messages, worker.client, worker.client.__main__, worker.config",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -248,6 +248,7 @@ def test_text_holds_back_incomplete_utf8_and_drops_it_at_the_end() -> None:
     assert decode([0, 1, 2]) == (["a", "", "", ""], "a")  # cut inside the character
     assert decode([4, 4, 4]) == (["", "", "", ""], "")  # a prompt of lone byte tokens
     assert decode([4, 0, 5]) == (["", "\ufffda", "", ""], "\ufffda")
+    assert tokenizer.text([0, 1, 2, 3]) == "a\u4e2d"  # the same decoder, fed at once
 
 
 def test_frontend_options_defaults_and_api_key_from_env(monkeypatch) -> None:

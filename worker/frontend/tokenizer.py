@@ -82,6 +82,14 @@ class ModelTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return self.table.byte_values[token_id] if token_id < len(self.table) else b""
 
+    def text(self, token_ids: list[int]) -> str:
+        """The text the frontend makes of these tokens, whole (a TextDecoder fed them all)."""
+        decoder = self.text_decoder()
+        for token_id in token_ids:
+            decoder.feed(token_id)
+        decoder.finish()
+        return decoder.text
+
     def text_decoder(self) -> TextDecoder:
         return TextDecoder(self)
 
