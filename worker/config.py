@@ -42,6 +42,12 @@ CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 PROMETHEUS_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
+# How long the engine core's processes get to exit after the SIGTERM of a shutdown, before vLLM
+# kills them. vLLM's own default is 5 s; a busy 2-core host took longer, and a killed EngineCore
+# leaves its shared-memory queues behind (a resource_tracker warning after the worker's last line).
+ENGINE_EXIT_GRACE_S = 30.0
+
+
 def share_metrics_with_children(directory: str) -> None:
     os.environ[PROMETHEUS_MULTIPROC_ENV] = directory
 

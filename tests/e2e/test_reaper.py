@@ -68,10 +68,17 @@ PARENT = textwrap.dedent(
         ["sh", "-c", "sleep 300 & exec sleep 301"], start_new_session=True, **quiet
     )
     ended = subprocess.Popen(["sleep", "302"], **quiet)
-    if sys.argv[1:] == ["multiprocessing"]:  # as vLLM starts EngineCore: on GPU, on CPU
+    if sys.argv[1:2] == ["multiprocessing"]:  # as vLLM starts EngineCore: on GPU, on CPU
         for method in ("fork", "spawn"):
             context = multiprocessing.get_context(method)
             context.Process(target=time.sleep, args=(300,), daemon=True).start()
+        # A segment a child created and never unlinked, as a killed EngineCore leaves its queues.
+        from multiprocessing import shared_memory
+        leaker = multiprocessing.get_context("spawn").Process(
+            target=shared_memory.SharedMemory, kwargs=dict(name=sys.argv[2], create=True, size=4096)
+        )
+        leaker.start()
+        leaker.join()
     time.sleep(0.5)  # the reaper's next scan sees the grandchild
     ended.kill()
     ended.wait()
@@ -130,12 +137,16 @@ class Parent:
 @pytest.mark.parametrize("children", ["popen", "multiprocessing"])
 def test_sigkill_of_the_parent_kills_its_children_and_grandchildren_only(children: str) -> None:
     bystander = subprocess.Popen(["sleep", "300"])  # not the parent's: must survive
-    parent = Parent(children)
+    segment = Path(f"/dev/shm/vnw-reaper-test-{os.getpid()}")
+    parent = Parent(children, segment.name)
     try:
         names = sorted(_name(p) for p in parent.descendants)
         # popen: sh (exec'd to sleep) and its sleep; multiprocessing adds a fork child, a spawn
         # child and the spawn context's resource tracker (python processes)
         assert len(names) == (2 if children == "popen" else 5), names
+        tracker = [p for p in parent.descendants if "resource_tracker" in " ".join(_cmdline(p))]
+        assert len(tracker) == (0 if children == "popen" else 1)
+        assert segment.exists() == (children == "multiprocessing")
         assert parent.reaper.ppid() == parent.popen.pid
         maps = Path(f"/proc/{parent.reaper.pid}/maps").read_text()
         # A cheap process: no torch or vllm loaded (torch's libgomp may be mapped all the same:
@@ -146,16 +157,21 @@ def test_sigkill_of_the_parent_kills_its_children_and_grandchildren_only(childre
         assert wait_gone(parent.descendants, 5) == []
         assert wait_gone([parent.reaper], 5) == []
         err = parent.stderr_at_end()
-        killed = f"killed {len(names)} leftover process(es)"
+        # The resource tracker is not killed: it ends by itself and unlinks what the killed left.
+        killed = f"killed {len(names) - len(tracker)} leftover process(es)"
         assert err.count(REAPED) == 1 and killed in err, err
         for p in parent.descendants:
-            assert f"{p.pid} (" in err
+            assert (f"{p.pid} (" in err) == (p not in tracker), err
         assert f"{parent.ended_pid} (" not in err
+        assert not segment.exists()
+        if tracker:
+            assert "leaked shared_memory objects to clean up" in err, err
         assert bystander.poll() is None
     finally:
         parent.cleanup()
         bystander.kill()
         bystander.wait()
+        segment.unlink(missing_ok=True)
 
 
 def test_normal_exit_kills_the_leftovers_and_the_reaper_exits() -> None:

@@ -24,6 +24,11 @@ can never reach a process that reused a recorded PID. It wakes as soon as the wa
 child), then freezes (SIGSTOP) the recorded processes still alive plus any descendants they have,
 so nothing new can be forked meanwhile, SIGKILLs them all, logs one line on stderr if it killed
 anything, and exits. Because it works on the process tree, the start method does not matter.
+
+One descendant is left to end by itself: multiprocessing's resource tracker. It exits once every
+other holder of its pipe is gone, and first unlinks the shared memory and semaphores the killed
+processes registered (vLLM's EngineCore queues live in /dev/shm). Killed, it would leave them
+there until reboot.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 0.5
 _READY = b"ready\n"
+_RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -131,6 +137,15 @@ class _Tracked:
             return not self.process.is_running() or self.process.status() == psutil.STATUS_ZOMBIE
         except psutil.Error:
             return True
+
+    def cleans_up(self) -> bool:
+        """Whether this is multiprocessing's resource tracker (see the module's docstring)."""
+        import psutil
+
+        try:
+            return _RESOURCE_TRACKER in " ".join(self.process.cmdline())
+        except psutil.Error:
+            return False
 
     def signal(self, sig: int) -> bool:
         """Sends `sig` to exactly this process; False if it is gone (its PID is never reused)."""
@@ -229,7 +244,7 @@ class _Watch:
         import psutil
 
         frozen: list[_Tracked] = []
-        batch = [t for t in self.tracked.values() if not t.exited()]
+        batch = [t for t in self.tracked.values() if not t.exited() and not t.cleans_up()]
         try:
             for _ in range(8):  # stopped processes cannot fork: a few rounds reach a fixpoint
                 for tracked in batch:
@@ -245,7 +260,7 @@ class _Watch:
                         continue
                     for child in children:
                         found = self._track(child)
-                        if found is not None and not found.exited():
+                        if found is not None and not found.exited() and not found.cleans_up():
                             newcomers.append(found)
                 if not newcomers:
                     break

@@ -26,6 +26,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from worker.config import ENGINE_EXIT_GRACE_S
+
 log = logging.getLogger(__name__)
 
 ClientTarget = Callable[[str, Any, argparse.Namespace, dict[str, Any]], None]
@@ -165,7 +167,7 @@ def run(
         if manager is not None:
             manager.shutdown(timeout=shutdown_timeout_s)
         if engine_manager is not None:
-            engine_manager.shutdown(timeout=10)
+            engine_manager.shutdown(timeout=ENGINE_EXIT_GRACE_S)
         if coordinator is not None:
             coordinator.shutdown(timeout=10)
         for sig, handler in previous.items():

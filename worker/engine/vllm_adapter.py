@@ -29,6 +29,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from messages.frames import FinishReason
 from messages.request import GenerateRequest
+from worker.config import ENGINE_EXIT_GRACE_S
 from worker.engine import logprobs, reaper, scaleout, structured_outputs
 from worker.engine.contract import (
     ChoiceDelta,
@@ -327,7 +328,10 @@ class VllmEngine:
             raise EngineDead(f"vLLM health check failed: {error!r}") from error
 
     def shutdown(self) -> None:
-        self._llm.shutdown()
+        if "timeout" in inspect.signature(self._llm.shutdown).parameters:  # not in every vLLM
+            self._llm.shutdown(timeout=ENGINE_EXIT_GRACE_S)
+        else:
+            self._llm.shutdown()
         # Let the AsyncLLM be collected now: if it lives until interpreter exit, its __del__
         # shuts down again with vLLM's module globals already torn down (a noisy TypeError).
         self._llm = None
