@@ -3,7 +3,7 @@
 Layers, one directory and marker each (`pytest -m unit`, `-m integration`, `-m e2e`):
 - unit/: no vllm, no torch, no model, no nats-server; seconds. Run alone (`-m unit`), the layer
   is guarded: importing vllm or torch fails, and the other layers are not even collected;
-- integration/: a real nats-server with the fake engines of worker.dev.fakes;
+- integration/: a real nats-server and real processes, with the fake engines of worker.dev.fakes;
 - e2e/: the real vLLM engine on the tiny model (and the real nats-server).
 
 Engine start costs 25-60 s here, so the whole session shares one engine and one in-process

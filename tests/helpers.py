@@ -15,12 +15,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerInfo, StreamState
@@ -315,6 +316,42 @@ worker's last line."""
 
 def last_worker_line(lines: list[str]) -> str:
     return [line for line in lines if not line.startswith(REAPER)][-1].strip()
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def gone(process: psutil.Process) -> bool:
+    """Exited (a zombie holds nothing but its PID table entry), or its PID is someone else's."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def wait_gone(processes: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """The processes still alive after `timeout` s."""
+    left = list(processes)
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if not gone(p)]
+    return left
+
+
+def kill_all(processes: Iterable[psutil.Process]) -> None:
+    for process in processes:
+        if not gone(process):  # is_running() compares creation times: never a reused PID
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+
+
+def process_text(process: psutil.Process) -> str:
+    """Its name and command line, or "" once it is gone."""
+    try:
+        return " ".join([process.name(), *process.cmdline()])
+    except psutil.Error:
+        return ""
 
 
 def get_health(port: int) -> tuple[int, dict]:

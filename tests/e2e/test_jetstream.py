@@ -1,7 +1,7 @@
 """Durable work-queue mode on a real JetStream server with the real vLLM engine: a worker
 started by its CLI is SIGKILLed mid-generation and its requests complete on a survivor (the one
-real-engine variant of redelivery), and the mode as discovery, the log, the client CLI and the
-frontend see it.
+real-engine variant of redelivery; its reaper takes vLLM's engine processes with it), and the
+mode as discovery, the log, the client CLI and the frontend see it.
 
 The intake itself on the fake engines (queueing, attempts, in-progress acks, poison messages,
 max_deliver, load-aware pulls, malformed payloads): tests/integration/test_jetstream_intake.py."""
@@ -14,16 +14,21 @@ import dataclasses
 import os
 import signal
 
+import psutil
 import pytest
 
 from messages.subjects import Subjects
 from tests.helpers import (
+    REAPER,
     collect,
+    kill_all,
+    process_text,
     read_until,
     run_client_cli,
     settled_state,
     start_cli_worker,
     stream_state,
+    wait_gone,
 )
 from worker.client import jetstream_generate
 from worker.client.requests import make_request
@@ -75,9 +80,14 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         own_session=True,  # its own process group: the worker and vLLM's engine process
     )
     lines: list[str] = []
+    family: list[psutil.Process] = []
     try:
         await read_until(proc.stdout, r"vllm-nats-worker ready: .* \(jetstream\)", lines, 300)
         rest = asyncio.create_task(collect(proc.stdout, lines))
+        family = psutil.Process(proc.pid).children(recursive=True)
+        cores = [p for p in family if "EngineCore" in process_text(p)]
+        reapers = [p for p in family if "worker.engine.reaper" in process_text(p)]
+        assert len(reapers) == 1 and cores, [process_text(p) for p in family]
         seen: dict[str, list[int]] = {}
         first_frames = asyncio.Event()
         killed = asyncio.Event()
@@ -112,16 +122,21 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
 
         tasks = [asyncio.create_task(one(i)) for i in range(4)]
         await asyncio.wait_for(first_frames.wait(), 120)
-        # The host dies mid-generation (nothing acked): every process of the group, since
-        # vLLM's engine process outlives a killed parent. Stopped first, so that the stream
-        # shows what it had acked at the moment of death.
+        # The host dies mid-generation (nothing acked). Its processes are stopped first, so that
+        # the stream shows what it had acked at the moment of death; then the main process alone
+        # is killed, and its reaper (own session, not stopped) kills vLLM's engine processes,
+        # which have no parent-death handling of their own.
         os.killpg(proc.pid, signal.SIGSTOP)
         _, consumer = await stream_state(client, subjects, settings)
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)
         await proc.wait()
         killed.set()
-        rest.cancel()
         assert consumer.num_ack_pending == 4, "a stream ended before the kill"
+        left = await asyncio.to_thread(wait_gone, family, 15)
+        assert left == [], [process_text(p) for p in left]
+        await asyncio.wait_for(rest, 15)  # every holder of the worker's stdout is gone
+        reaped = [line for line in lines if line.startswith(REAPER)]
+        assert len(reaped) == 1 and all(f"{p.pid} (" in reaped[0] for p in cores), reaped
         await js_workers(engine, subjects, settings)  # the survivor
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         for i, frames in enumerate(results):
@@ -142,6 +157,7 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+        kill_all(family)  # the reaper runs in its own session
 
 
 async def test_jetstream_mode_seen_from_outside(

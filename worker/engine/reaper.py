@@ -28,7 +28,8 @@ anything, and exits. Because it works on the process tree, the start method does
 One descendant is left to end by itself: multiprocessing's resource tracker. It exits once every
 other holder of its pipe is gone, and first unlinks the shared memory and semaphores the killed
 processes registered (vLLM's EngineCore queues live in /dev/shm). Killed, it would leave them
-there until reboot.
+there until reboot. The reaper continues it (it may have been stopped with its process group) and
+kills it only if it is still there `CLEANUP_GRACE_S` later.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 0.5
+CLEANUP_GRACE_S = 5.0
 _READY = b"ready\n"
 _RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -244,7 +246,9 @@ class _Watch:
         import psutil
 
         frozen: list[_Tracked] = []
-        batch = [t for t in self.tracked.values() if not t.exited() and not t.cleans_up()]
+        alive = [t for t in self.tracked.values() if not t.exited()]
+        cleaners = [t for t in alive if t.cleans_up()]
+        batch = [t for t in alive if t not in cleaners]
         try:
             for _ in range(8):  # stopped processes cannot fork: a few rounds reach a fixpoint
                 for tracked in batch:
@@ -267,10 +271,25 @@ class _Watch:
                 batch = newcomers
         finally:
             killed = [f"{t.process.pid} ({t.name})" for t in frozen if t.signal(signal.SIGKILL)]
+        killed += self._let_clean_up(cleaners)
         for tracked in self.tracked.values():
             tracked.close()
         self.tracked.clear()
         return killed
+
+    @staticmethod
+    def _let_clean_up(cleaners: list[_Tracked]) -> list[str]:
+        """Continues the resource trackers, waits for their exit, and kills any still there."""
+        for tracked in cleaners:
+            tracked.signal(signal.SIGCONT)
+        deadline = time.monotonic() + CLEANUP_GRACE_S
+        while any(not t.exited() for t in cleaners) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [
+            f"{t.process.pid} ({t.name})"
+            for t in cleaners
+            if not t.exited() and t.signal(signal.SIGKILL)
+        ]
 
 
 def run(watched: int, interval: float = DEFAULT_INTERVAL_S, ready: IO[bytes] | None = None) -> int:

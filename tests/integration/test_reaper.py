@@ -1,58 +1,27 @@
 """worker/engine/reaper.py: a worker's processes die with its main process, even SIGKILLed.
 
-The unit tests run the reaper under a small Python parent (no vllm); the end-to-end test runs the
-real `python -m worker` on the CPU engine and SIGKILLs only its main process.
+These tests run the reaper under a small Python parent (no vllm). On the real `python -m worker`
+and the CPU engine, tests/e2e/test_jetstream.py SIGKILLs the main process alone and checks that
+vLLM's engine processes went with it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.helpers import start_cli_worker
+from tests.helpers import REAPER, kill_all, process_text, wait_gone
 from worker.engine import reaper
 
-pytestmark = pytest.mark.own_engine  # CI runs these beside the session-engine tests
-
 ROOT = Path(__file__).resolve().parents[2]
-REAPED = "vllm-nats-worker reaper: worker process"
-
-
-def gone(process: psutil.Process) -> bool:
-    """Exited (a zombie holds nothing but its PID table entry), or its PID is someone else's."""
-    try:
-        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
-
-
-def wait_gone(processes: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """The processes still alive after `timeout` s."""
-    left = list(processes)
-    deadline = time.monotonic() + timeout
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = [p for p in left if not gone(p)]
-    return left
-
-
-def kill_all(processes: Iterable[psutil.Process]) -> None:
-    for process in processes:
-        if not gone(process):  # is_running() compares creation times: never a reused PID
-            try:
-                process.kill()
-            except psutil.Error:
-                pass
+REAPED = REAPER + " worker process"
 
 
 PARENT = textwrap.dedent(
@@ -140,11 +109,11 @@ def test_sigkill_of_the_parent_kills_its_children_and_grandchildren_only(childre
     segment = Path(f"/dev/shm/vnw-reaper-test-{os.getpid()}")
     parent = Parent(children, segment.name)
     try:
-        names = sorted(_name(p) for p in parent.descendants)
+        names = sorted(process_text(p).split(" ")[0] for p in parent.descendants)
         # popen: sh (exec'd to sleep) and its sleep; multiprocessing adds a fork child, a spawn
         # child and the spawn context's resource tracker (python processes)
         assert len(names) == (2 if children == "popen" else 5), names
-        tracker = [p for p in parent.descendants if "resource_tracker" in " ".join(_cmdline(p))]
+        tracker = [p for p in parent.descendants if "resource_tracker" in process_text(p)]
         assert len(tracker) == (0 if children == "popen" else 1)
         assert segment.exists() == (children == "multiprocessing")
         assert parent.reaper.ppid() == parent.popen.pid
@@ -200,20 +169,6 @@ def test_clean_exit_leaves_nothing_to_reap_and_logs_nothing() -> None:
         parent.cleanup()
 
 
-def _name(process: psutil.Process) -> str:
-    try:
-        return process.name()
-    except psutil.Error:
-        return "?"
-
-
-def _cmdline(process: psutil.Process) -> list[str]:
-    try:
-        return process.cmdline()
-    except psutil.Error:
-        return []
-
-
 @pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "pid-and-create-time"])
 def test_a_recorded_process_that_exited_is_never_signalled(monkeypatch, pidfd: bool) -> None:
     if not pidfd:  # kernels or sandboxes without pidfd_open
@@ -251,62 +206,3 @@ def test_watching_costs_little_and_imports_nothing_heavy() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30
     ).stdout.split(maxsplit=2)
     assert float(out[0]) < 3.0 and out[1] == "True" and out[2].strip() == "[]", out
-
-
-# --------------------------------------------------------------------------------------------
-# End to end: the real worker on the CPU engine.
-
-
-async def test_sigkill_of_the_worker_main_process_kills_engine_core_and_reaper(
-    nats_server, tiny_model
-) -> None:
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = await start_cli_worker(
-        nats_server.url,
-        tiny_model,
-        "--namespace",
-        "reaper",
-        env=env,
-        own_session=True,  # its own process group: the finally below can end all of it
-    )
-    lines: list[str] = []
-    descendants: list[psutil.Process] = []
-    collector: asyncio.Task[None] | None = None
-    try:
-        deadline = time.monotonic() + 300
-        while not any("vllm-nats-worker ready" in line for line in lines):
-            left = deadline - time.monotonic()
-            assert left > 0, "".join(lines[-60:])
-            line = await asyncio.wait_for(proc.stdout.readline(), left)
-            assert line, "worker exited before ready:\n" + "".join(lines[-60:])
-            lines.append(line.decode(errors="replace"))
-        collector = asyncio.create_task(_collect(proc.stdout, lines))
-
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-        reapers = [p for p in descendants if "worker.engine.reaper" in " ".join(_cmdline(p))]
-        cores = [p for p in descendants if "EngineCore" in " ".join([_name(p), *_cmdline(p)])]
-        assert len(reapers) == 1 and cores, [(p.pid, _name(p)) for p in descendants]
-
-        os.kill(proc.pid, signal.SIGKILL)  # the main process only, not its group
-        await proc.wait()
-        left = await asyncio.to_thread(wait_gone, descendants, 15)
-        assert left == [], [(p.pid, _name(p)) for p in left]
-        # Every holder of the worker's stdout is gone: the output ends.
-        await asyncio.wait_for(collector, 15)
-        output = "".join(lines)
-        assert output.count(REAPED) == 1, output[-3000:]
-        reaped = next(line for line in lines if REAPED in line)
-        assert all(f"{p.pid} (" in reaped for p in cores), reaped
-    finally:
-        if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-        kill_all(descendants)  # the reaper runs in its own session
-        if collector is not None:
-            collector.cancel()
-
-
-async def _collect(stream: asyncio.StreamReader, lines: list[str]) -> None:
-    while line := await stream.readline():
-        lines.append(line.decode(errors="replace"))
