@@ -27,6 +27,7 @@ ErrorCode = Literal[
     "deadline_exceeded",
     "client_gone",
     "no_workers",
+    "worker_lost",
 ]
 ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
@@ -58,6 +59,12 @@ ERRORS: dict[str, ErrorKind] = {
     # message) because nothing subscribes to its subject. A refusal: nothing ran, and a worker
     # that comes up (or the right subject) can serve it.
     "no_workers": ErrorKind(True, True, 503, "service_unavailable", "no worker serves the subject"),
+    # Never in a frame: the client heard nothing from the worker serving its request (no frame,
+    # no heartbeat) for its silence timeout, and could not continue the request on another
+    # worker (migration off, its limit reached, or a request it cannot continue).
+    "worker_lost": ErrorKind(
+        True, False, 503, "service_unavailable", "the worker serving the request went silent"
+    ),
 }
 _UNKNOWN = ErrorKind(False, False, 500, "internal_error", "unknown error")
 

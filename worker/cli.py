@@ -129,6 +129,14 @@ OPTIONS: list[Option] = [
         int,
     ),
     Option(
+        "--heartbeat-interval",
+        WorkerConfig,
+        "heartbeat_interval_s",
+        "a request sent nothing for half of this many seconds gets an empty heartbeat message, "
+        "so its client can tell a dead worker from a slow one",
+        float,
+    ),
+    Option(
         "--liveness-interval",
         WorkerConfig,
         "liveness_interval_s",

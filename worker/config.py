@@ -151,6 +151,10 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     """On SIGTERM/SIGINT: how long in-flight requests may still run before they are ended with
     a retryable `worker_shutdown` error frame."""
+    heartbeat_interval_s: float = 1.0
+    """A request sent nothing for half of this gets a heartbeat at the next beat, so its client
+    hears from the worker at least every 1.5 × this (worker/nats/liveness.py) and can take a
+    silence of `silence_timeout` (worker.client, 5 s) for a dead worker."""
     liveness_interval_s: float = 2.0
     """How often in-flight requests' clients are probed (an empty NATS request to a reply
     subject, one per client and round; see worker/nats/liveness.py). A "no responders" answer is a

@@ -128,6 +128,8 @@ async def test_exhausted_retries_raise_a_clear_request_error(fake_worker, client
 
 
 async def test_no_retry_once_output_began(fake_worker, client) -> None:
+    """With migration off (`migration_limit=0`); with it on, the stream continues on the other
+    worker instead (tests/integration/test_migration.py)."""
     subjects = Subjects("retrylate", "vllm", "generate")
     busy = await fake_worker(subjects, instance_id="busy")
     other = await fake_worker(subjects, instance_id="other")
@@ -136,6 +138,7 @@ async def test_no_retry_once_output_began(fake_worker, client) -> None:
         client,
         make_request("late-1", PROMPT, max_tokens=450),
         subject=subjects.instance("busy"),
+        migration_limit=0,
     ):
         frames.append(frame)
         if len(frames) == 3:

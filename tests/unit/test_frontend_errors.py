@@ -43,6 +43,7 @@ def test_error_body_has_openais_four_fields() -> None:
         ("overloaded", 503, "service_unavailable"),
         ("worker_shutdown", 503, "service_unavailable"),
         ("no_workers", 503, "service_unavailable"),
+        ("worker_lost", 503, "service_unavailable"),
         ("engine_error", 500, "internal_error"),
         ("deadline_exceeded", 504, "timeout"),
         ("client_gone", 499, "client_gone"),

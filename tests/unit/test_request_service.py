@@ -426,7 +426,9 @@ async def test_frames_count_seq_from_zero_and_the_last_carries_finish_and_usage(
     assert [m["seq"] for m in maps] == list(range(6))
     assert all(m["request_id"] == "ok" and m["index"] == 0 for m in maps)
     assert [m["finish_reason"] for m in maps] == [None] * 5 + ["length"]
-    assert sum((m["token_ids"] for m in maps), []) == [100, 101, 102, 103, 104, 105]
+    # The paced fake engine's tokens follow the context position: a 4-token prompt, then 104…
+    assert len(PROMPT) == 4
+    assert sum((m["token_ids"] for m in maps), []) == [104, 105, 106, 107, 108, 109]
     assert ["completion_usage" in m for m in maps] == [False] * 5 + [True]
     assert maps[-1]["completion_usage"] == {
         "prompt_tokens": 4,

@@ -47,6 +47,7 @@ def test_every_error_code_has_its_properties_spelled_out() -> None:
             "deadline_exceeded",
             "client_gone",
             "no_workers",
+            "worker_lost",
         }
     )
     assert {c for c in ERROR_CODES if is_retryable(c)} == {
@@ -55,13 +56,24 @@ def test_every_error_code_has_its_properties_spelled_out() -> None:
         "worker_shutdown",
         "internal_error",
         "no_workers",
+        "worker_lost",
     }
     assert {c for c in ERROR_CODES if is_refusal(c)} == {
         "overloaded",
         "worker_shutdown",
         "no_workers",
     }
-    assert [kind(c).http_status for c in ERROR_CODES] == [400, 500, 503, 503, 500, 504, 499, 503]
+    assert [kind(c).http_status for c in ERROR_CODES] == [
+        400,
+        500,
+        503,
+        503,
+        500,
+        504,
+        499,
+        503,
+        503,
+    ]
     assert all(kind(c).meaning for c in ERROR_CODES)
     assert kind("a-newer-code").http_status == 500 and not is_retryable("a-newer-code")
 

@@ -17,9 +17,10 @@ stopped answering discovery, so it is not discovered at all.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -29,18 +30,21 @@ from nats.aio.client import Client as NATS
 from nats.micro.service import ServiceInfo, ServiceStats
 
 from messages.codec import JSON, MSGPACK, Codec
-from messages.errors import is_refusal
+from messages.errors import is_refusal, is_retryable
 from messages.frames import ErrorInfo, ResponseFrame
 from messages.request import CancelRequest, GenerateRequest
 from messages.subjects import REPLY_HEADER, SERVICE_NAME, Subjects
+from worker.client.migration import MIGRATION_LIMIT, SILENCE_TIMEOUT_S, Seam
 from worker.client.reader import (
     Completion,
     Inbox,
     RequestEnd,
     RequestError,
+    WorkerLost,
     fold,
     read_frames,
 )
+from worker.shared.log_text import loggable
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +73,12 @@ async def stream_frames(
     timeout: float = 60.0,
     request_id: str | None = None,
     cancel_subject: str | None = None,
+    silence: float | None = None,
 ) -> AsyncGenerator[ResponseFrame, None]:
     """Frames of one request, in order, until all `choices` finished or an error frame.
 
     With `request_id` and `cancel_subject`, leaving early publishes a cancel for the request.
+    `silence`: WorkerLost after that long without any message (worker.client.reader).
     """
     inbox = nc.new_inbox()
     subscription = await Inbox.open(nc, inbox)
@@ -80,7 +86,8 @@ async def stream_frames(
     end = RequestEnd(choices)
     try:
         await nc.publish(subject, payload, reply=inbox, headers=headers)
-        async with aclosing(read_frames(subscription, codec, end, timeout)) as frames:
+        reader = read_frames(subscription, codec, end, timeout, silence=silence)
+        async with aclosing(reader) as frames:
             async for frame in frames:
                 yield frame
     finally:
@@ -203,6 +210,8 @@ async def generate(
     timeout: float = 60.0,
     retries: int = 2,
     discovery_window: float = 0.25,
+    migration_limit: int = MIGRATION_LIMIT,
+    silence_timeout: float | None = SILENCE_TIMEOUT_S,
 ) -> AsyncGenerator[ResponseFrame, None]:
     """`async for frame in generate(nc, request)`: the request's frames as they stream.
 
@@ -210,8 +219,93 @@ async def generate(
     cancel subject of the same namespace/component/endpoint. A retryable refusal that comes
     before any frame was yielded is retried up to `retries` times on other workers (see the
     module's docstring); when none is left, RequestError names the code and every refusal.
-    Any other error frame, and a retryable one after output began, is yielded as it came.
+
+    A worker lost mid-request (silent for `silence_timeout` s; None: never taken for lost) or a
+    retryable error frame that is not a refusal continues the request on another worker, up to
+    `migration_limit` times (worker/client/migration.py); the caller's stream goes on as one.
+    Past the limit, or for a request that cannot be continued, the error frame is yielded as it
+    came, and a lost worker raises RequestError `worker_lost` (retryable). Any other error frame
+    is yielded as it came. `timeout`: the longest wait for any message.
     """
+    base = Subjects.parse(subject or Subjects().generate)[0].generate
+
+    def leg(request: GenerateRequest, migration: int) -> AsyncGenerator[ResponseFrame, None]:
+        return _generate_leg(
+            nc,
+            request,
+            # A continuation goes to the queue group: whoever is alive takes it.
+            subject=subject if migration == 0 else base,
+            codec=codec,
+            timeout=timeout,
+            retries=retries,
+            discovery_window=discovery_window,
+            silence=silence_timeout,
+        )
+
+    async with aclosing(_migrating(request, leg, migration_limit)) as frames:
+        async for frame in frames:
+            yield frame
+
+
+Leg = Callable[[GenerateRequest, int], AsyncGenerator[ResponseFrame, None]]
+"""One leg of a request: (the leg's request, how many migrations came before) → its frames."""
+
+
+async def _migrating(
+    request: GenerateRequest, leg: Leg, migration_limit: int
+) -> AsyncGenerator[ResponseFrame, None]:
+    """The request's frames as one stream over as many legs as it takes (see `generate`)."""
+    seam = Seam(request)
+    current = request
+    for migration in itertools.count():
+        lost, error_frame = None, None
+        try:
+            async with aclosing(leg(current, migration)) as frames:
+                async for frame in frames:
+                    if frame.error and is_retryable(frame.error.code):
+                        lost, error_frame = f"{frame.error.code}: {frame.error.message}", frame
+                        break
+                    if (out := seam.translate(frame)) is not None:
+                        yield out
+        except WorkerLost as error:
+            lost = error.message
+        if lost is None:
+            return
+        refused = seam.why_not_continued() or (
+            f"migration limit {migration_limit} reached" if migration >= migration_limit else None
+        )
+        if refused is not None:
+            if error_frame is not None:
+                if (out := seam.translate(error_frame)) is not None:
+                    yield out
+                return
+            raise WorkerLost(f"{lost}; not continued: {refused}")
+        continuation = seam.continuation()
+        log.info(
+            "request %s: %s; continued on another worker after %d token(s) (migration %d)",
+            loggable(request.request_id),
+            loggable(lost),
+            len(seam.tokens),
+            migration + 1,
+        )
+        if continuation is None:
+            yield seam.final_frame()
+            return
+        current = continuation
+
+
+async def _generate_leg(
+    nc: NATS,
+    request: GenerateRequest,
+    *,
+    subject: str | None,
+    codec: Codec,
+    timeout: float,
+    retries: int,
+    discovery_window: float,
+    silence: float | None,
+) -> AsyncGenerator[ResponseFrame, None]:
+    """One leg of `generate`: the request sent, refusals retried on other workers."""
     subjects, instance_id = Subjects.parse(subject or Subjects().generate)
     base = subjects.generate
     refused: set[str] = set()
@@ -234,6 +328,7 @@ async def generate(
                     timeout=timeout,
                     request_id=request.request_id,
                     cancel_subject=cancel_subject,
+                    silence=silence,
                 )
             ) as frames:
                 async for frame in frames:
@@ -280,11 +375,20 @@ async def complete(
     codec: Codec = MSGPACK,
     timeout: float = 60.0,
     retries: int = 2,
+    migration_limit: int = MIGRATION_LIMIT,
+    silence_timeout: float | None = SILENCE_TIMEOUT_S,
 ) -> Completion:
     frames = [
         f
         async for f in generate(
-            nc, request, subject=subject, codec=codec, timeout=timeout, retries=retries
+            nc,
+            request,
+            subject=subject,
+            codec=codec,
+            timeout=timeout,
+            retries=retries,
+            migration_limit=migration_limit,
+            silence_timeout=silence_timeout,
         )
     ]
     return fold(request.request_id, frames, request.sampling_options.n)
@@ -297,11 +401,13 @@ async def jetstream_generate(
     subjects: Subjects | None = None,
     codec: Codec = MSGPACK,
     timeout: float = 60.0,
+    silence: float | None = None,
 ) -> AsyncGenerator[ResponseFrame, None]:
     """Publishes to the work-queue stream (`--mode jetstream`) with a JetStream ack, then yields
     the frames. Frames carry `attempt`: when a worker died and the request was redelivered, a
     new attempt's frames restart at seq 0 and the caller drops what the old attempt sent (late
-    frames of an older attempt are skipped here)."""
+    frames of an older attempt are skipped here). `silence`: WorkerLost after that long without
+    any message, counted once a worker took the request (it may wait in the stream)."""
     subjects = subjects or Subjects()
     inbox = nc.new_inbox()
     subscription = await Inbox.open(nc, inbox)
@@ -311,7 +417,7 @@ async def jetstream_generate(
     end = RequestEnd(request.sampling_options.n)
     try:
         await nc.jetstream().publish(subjects.queue, codec.encode(request), headers=headers)
-        reader = read_frames(subscription, codec, end, timeout, attempts=True)
+        reader = read_frames(subscription, codec, end, timeout, attempts=True, silence=silence)
         async with aclosing(reader) as frames:
             async for frame in frames:
                 yield frame
@@ -328,24 +434,51 @@ async def jetstream_stream(
     subjects: Subjects | None = None,
     codec: Codec = MSGPACK,
     timeout: float = 60.0,
+    migration_limit: int = MIGRATION_LIMIT,
+    silence_timeout: float | None = SILENCE_TIMEOUT_S,
 ) -> AsyncGenerator[ResponseFrame, None]:
-    """`jetstream_generate` for a caller that cannot take output back (a user's stream): the
-    frames of one attempt. When a newer attempt starts after frames were yielded (the worker
-    serving it died and the queue redelivered the request), RequestError `engine_error`
-    (retryable) ends it and the new attempt is cancelled."""
-    attempt = None
-    async with aclosing(
-        jetstream_generate(nc, request, subjects=subjects, codec=codec, timeout=timeout)
-    ) as frames:
+    """`jetstream_generate` for a caller that cannot take output back (a user's stream): one
+    stream that never restarts. The publisher owns the continuation: when the worker serving
+    the request is lost (silent, or a redelivery restarted the request from token 0 after frames
+    were yielded) or ends it with a retryable error frame, the continuation is published to the
+    work queue as a new message with a new inbox, so it waits in the stream while no worker is
+    up, and nothing the old message's redelivery sends can reach this caller (it goes to the old
+    inbox, which nobody reads any more; the worker finds nobody listening and drops it). Limits
+    and errors as in `generate`."""
+
+    def leg(request: GenerateRequest, migration: int) -> AsyncGenerator[ResponseFrame, None]:
+        return _jetstream_leg(nc, request, subjects, codec, timeout, silence_timeout)
+
+    async with aclosing(_migrating(request, leg, migration_limit)) as frames:
         async for frame in frames:
-            if attempt is None:
+            yield frame
+
+
+async def _jetstream_leg(
+    nc: NATS,
+    request: GenerateRequest,
+    subjects: Subjects | None,
+    codec: Codec,
+    timeout: float,
+    silence: float | None,
+) -> AsyncGenerator[ResponseFrame, None]:
+    """The frames of one attempt of one queue message; a newer attempt after frames were
+    yielded is a lost worker (its redelivery starts over at token 0)."""
+    attempt = None
+    yielded = False
+    generated = jetstream_generate(
+        nc, request, subjects=subjects, codec=codec, timeout=timeout, silence=silence
+    )
+    async with aclosing(generated) as frames:
+        async for frame in frames:
+            if frame.attempt != attempt:
+                if yielded:
+                    raise WorkerLost(
+                        f"the worker serving attempt {attempt} was lost and the queue "
+                        f"redelivered the request (attempt {frame.attempt})"
+                    )
                 attempt = frame.attempt
-            elif frame.attempt != attempt:
-                raise RequestError(
-                    "engine_error",
-                    f"the worker serving attempt {attempt} died mid-answer and the queue "
-                    "redelivered the request; output already sent cannot be taken back: retry",
-                )
+            yielded = True
             yield frame
 
 

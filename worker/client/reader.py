@@ -35,6 +35,14 @@ class RequestError(RuntimeError):
         self.message = message
 
 
+class WorkerLost(RequestError):
+    """Nothing (no frame, no heartbeat) came from the worker serving the request for the
+    client's silence timeout: the worker is taken for dead."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("worker_lost", message)
+
+
 def is_probe(msg: Msg) -> bool:
     """A worker's liveness probe on a reply subject (marked by a header), not a frame."""
     return msg.headers is not None and PROBE_HEADER in msg.headers
@@ -129,12 +137,31 @@ def no_responders(msg: Msg) -> str | None:
 
 
 async def frame_payloads(
-    subscription: MessageSource, timeout: float
+    subscription: MessageSource,
+    timeout: float,
+    silence: float | None = None,
+    *,
+    quiet_until_heard: bool = False,
 ) -> AsyncGenerator[bytes, None]:
-    """The encoded frames arriving on a reply subscription, probes skipped; `timeout` per frame
-    (nats' TimeoutError past it). NATS's "no responders" ends it at once as `no_workers`."""
+    """The encoded frames arriving on a reply subscription, probes and heartbeats skipped.
+
+    `timeout`: the longest wait for any message (nats' TimeoutError past it). `silence`: the
+    longest wait for any message once the worker was heard from, WorkerLost past it (workers
+    send heartbeats: worker/nats/liveness.py); `quiet_until_heard`: before the first message
+    only `timeout` applies (a JetStream request may wait in its stream for a worker). NATS's
+    "no responders" ends it at once as `no_workers`."""
+    heard = not quiet_until_heard
     while True:
-        msg = await subscription.next_msg(timeout=timeout)
+        lost_after = silence if silence is not None and heard and silence < timeout else None
+        try:
+            msg = await subscription.next_msg(timeout=lost_after or timeout)
+        except nats.errors.TimeoutError:
+            if lost_after is None:
+                raise
+            raise WorkerLost(
+                f"nothing from the worker for {lost_after:g} s (no frame, no heartbeat)"
+            ) from None
+        heard = True
         if is_probe(msg):
             continue
         if not msg.data:
@@ -153,16 +180,20 @@ async def read_frames(
     timeout: float,
     *,
     attempts: bool = False,
+    silence: float | None = None,
 ) -> AsyncGenerator[ResponseFrame, None]:
     """Frames in `seq` order until the request ends (`end`, the one stop rule).
 
     `attempts` (JetStream): a frame of a newer delivery attempt restarts the count at seq 0; late
     frames of an older attempt are skipped. `end.ended` is set before the last frame is yielded,
-    so a caller that stops at that frame does not cancel a request that is over.
+    so a caller that stops at that frame does not cancel a request that is over. `silence`: see
+    `frame_payloads` (with `attempts`, counted from the first message, as the request may wait
+    in its stream).
     """
     attempt = 0
     expected_seq = 0
-    async for data in frame_payloads(subscription, timeout):
+    payloads = frame_payloads(subscription, timeout, silence, quiet_until_heard=attempts)
+    async for data in payloads:
         frame = codec.decode_frame(data)
         if attempts:
             frame_attempt = frame.attempt or 0

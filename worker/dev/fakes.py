@@ -119,15 +119,24 @@ class PacedFakeEngine:
         cache: FakePrefixCache | None = None,
         *,
         limits: EngineLimits | None = None,
+        prefill_s: float = 0.0,
     ) -> None:
         """`limits`: what requests are validated against (default: a context of 2**20 tokens);
-        e.g. the tiny model's, where a test checks the refusals the real engine's limits give."""
+        e.g. the tiny model's, where a test checks the refusals the real engine's limits give.
+        `prefill_s`: a wait before the first token (a long prompt, a queue).
+
+        A token is a function of its position in the context (prompt included), as a greedy
+        model's is of the context: a continuation whose prompt holds the tokens already
+        generated goes on with the tokens the undisturbed request would have had."""
         self.step_s = step_s
+        self.prefill_s = prefill_s
         self.cache = cache
         self.limits = limits or EngineLimits(
             model="paced-fake", max_logprobs=20, vocab_size=1024, max_model_len=1 << 20
         )
         self.running = 0
+        self.requests = 0
+        """Requests started so far."""
 
     async def generate(
         self, request: GenerateRequest, engine_request_id: str
@@ -138,10 +147,12 @@ class PacedFakeEngine:
         if self.cache is not None:
             self.cache.admit(request.token_ids)
         self.running += 1
+        self.requests += 1
         try:
+            await asyncio.sleep(self.prefill_s)
             for i in range(total):
                 await asyncio.sleep(self.step_s)
-                token = 100 + i % 50
+                token = 100 + (len(request.token_ids) + i) % 50
                 rows: list[list[TopLogprob] | None] | None = None
                 if k is not None:
                     rows = [

@@ -21,6 +21,23 @@ def _default(name: str) -> object:
     return default(FrontendSettings, name)
 
 
+def _add_migration_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--migration-limit",
+        type=int,
+        default=_default("migration_limit"),
+        help="times one request may continue on another worker when the one serving it dies "
+        "or drains; 0 turns migration off (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--silence-timeout",
+        type=float,
+        default=_default("silence_timeout_s"),
+        help="seconds without a frame or heartbeat before the worker serving a request is "
+        "taken for dead (default: %(default)s)",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m worker.frontend",
@@ -69,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=_default("retries"),
         help="retries of a refused request on other workers (default: %(default)s)",
     )
+    _add_migration_arguments(parser)
     parser.add_argument(
         "--router",
         choices=ROUTING_MODES,
@@ -125,6 +143,8 @@ def settings_of(args: argparse.Namespace) -> FrontendSettings:
         subject=args.subject,
         timeout_s=args.timeout,
         retries=args.retries,
+        migration_limit=args.migration_limit,
+        silence_timeout_s=args.silence_timeout,
         jetstream=args.jetstream,
         router=args.router,
         load_weight=args.router_load_weight,

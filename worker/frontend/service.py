@@ -174,7 +174,14 @@ class FrontendService:
         nc, settings = self.connection(), self.settings
         if settings.jetstream:
             subjects = subjects_of(settings.subject)
-            frames = jetstream_stream(nc, request, subjects=subjects, timeout=settings.timeout_s)
+            frames = jetstream_stream(
+                nc,
+                request,
+                subjects=subjects,
+                timeout=settings.timeout_s,
+                migration_limit=settings.migration_limit,
+                silence_timeout=settings.silence_timeout_s,
+            )
             return frames, None
         subject, release = settings.subject, None
         if self.router is not None:
@@ -182,9 +189,16 @@ class FrontendService:
             release = functools.partial(self.router.release, route)
             subject = route.subject or subject
             self.metrics.count_route(route)
-        return generate(
-            nc, request, subject=subject, timeout=settings.timeout_s, retries=settings.retries
-        ), release
+        frames = generate(
+            nc,
+            request,
+            subject=subject,
+            timeout=settings.timeout_s,
+            retries=settings.retries,
+            migration_limit=settings.migration_limit,
+            silence_timeout=settings.silence_timeout_s,
+        )
+        return frames, release
 
     async def start_request(
         self, watcher: asyncio.Task[None], request: GenerateRequest

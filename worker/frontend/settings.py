@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from messages.subjects import Subjects
+from worker.client.migration import MIGRATION_LIMIT, SILENCE_TIMEOUT_S
 from worker.client.router import RoutingMode
 
 
@@ -23,6 +24,12 @@ class FrontendSettings:
     """Longest wait for the next frame."""
     retries: int = 2
     """Further attempts on other workers after a retryable refusal (overloaded, shutdown)."""
+    migration_limit: int = MIGRATION_LIMIT
+    """Continuations of one request on another worker when the one serving it is lost or
+    drained (worker/client/migration.py); 0: none."""
+    silence_timeout_s: float = SILENCE_TIMEOUT_S
+    """Seconds without any message from the worker serving a request (frames and its
+    heartbeats) before that worker is taken for lost."""
     jetstream: bool = False
     """Publish to the subject's JetStream work queue (workers in `--mode jetstream`)."""
     router: RoutingMode = "kv"

@@ -22,6 +22,12 @@ Invariants:
   grace, and one abandoned stream of a live client (which the client library would have
   cancelled) within as many rounds as that client has requests.
 
+Heartbeats: a request that was sent nothing (no frame, no heartbeat) for `heartbeat_s` / 2 gets
+an empty message marked `PROBE_HEADER: heartbeat` at the next beat, every `heartbeat_s`. So a
+client hears from a live worker at least every 1.5 × `heartbeat_s`, through a long prefill, a
+queue wait or a slow engine step alike (the beat runs on the worker's event loop, not the
+engine's), and takes a longer silence for a dead worker (worker.client: `silence_timeout`).
+
 A probe is an empty-body NATS request to the reply subject, marked by the `PROBE_HEADER`
 header: "no responders" means nobody is subscribed; a live client receives the marked message
 (readers skip it: worker.client.reader.is_probe) and does not answer, so the probe times out. A
@@ -53,6 +59,7 @@ log = logging.getLogger(__name__)
 _NUID_LENGTH = 22
 _NUID_PREFIX_LENGTH = 12
 _PROBE_HEADERS = {PROBE_HEADER: "liveness"}
+_HEARTBEAT_HEADERS = {PROBE_HEADER: "heartbeat"}
 
 
 def client_key(reply: str) -> str:
@@ -89,6 +96,8 @@ class Listener:
     epoch: int
     """The connection's reconnect count when a subscriber was last shown to be there."""
     on_gone: Callable[[], None] | None = None
+    last_sent: float = field(default_factory=time.monotonic)
+    """When a frame or heartbeat last went to it (time.monotonic)."""
     first_miss: float | None = None
     gone: bool = False
     _probe: asyncio.Task[bool | None] | None = field(default=None, repr=False)
@@ -114,8 +123,10 @@ class Liveness:
         probe_timeout_s: float,
         grace_s: float,
         outage_wait_s: float,
+        heartbeat_s: float = 1.0,
     ) -> None:
         self.nc = nc
+        self.heartbeat_s = heartbeat_s
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
         self.grace_s = grace_s
@@ -162,6 +173,23 @@ class Liveness:
             # failing the request (the frame was not buffered).
             await self._wait_until_listened(listener)
             await nc.publish(listener.reply, data)
+        listener.last_sent = time.monotonic()
+
+    async def beat(self) -> None:
+        """Sends the heartbeats (see the module's docstring) while connected."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if not self.nc.is_connected:
+                continue  # never into nats-py's reconnect buffer: the outage rules apply
+            idle_since = time.monotonic() - self.heartbeat_s / 2
+            for client in list(self._clients.values()):
+                for listener in list(client.listeners.values()):
+                    if listener.last_sent <= idle_since and not listener.gone:
+                        listener.last_sent = time.monotonic()
+                        try:
+                            await self.nc.publish(listener.reply, b"", headers=_HEARTBEAT_HEADERS)
+                        except Exception as error:  # the connection dropped: next beat
+                            log.debug("heartbeat to %s: %r", loggable(listener.reply), error)
 
     async def _wait_until_listened(self, listener: Listener) -> None:
         loop = asyncio.get_running_loop()

@@ -57,6 +57,7 @@ class WorkerRuntime:
             probe_timeout_s=config.liveness_timeout_s,
             grace_s=config.client_gone_grace_s,
             outage_wait_s=config.outage_wait_s,
+            heartbeat_s=config.heartbeat_interval_s,
         )
         self.intake: Intake = make_intake(config, self.service, nc, self.liveness)
         self.discovery: Discovery | None = None
@@ -64,6 +65,7 @@ class WorkerRuntime:
         self._owns_connection = owns_connection
         self._cancel_subscription: Subscription | None = None
         self._prober: asyncio.Task[None] | None = None
+        self._heart: asyncio.Task[None] | None = None
         self._stopped = False
 
     @property
@@ -100,6 +102,7 @@ class WorkerRuntime:
             config.subjects.cancel, cb=self._on_cancel
         )
         self._prober = asyncio.create_task(self.liveness.run())
+        self._heart = asyncio.create_task(self.liveness.beat())
         mode, serving = self.intake.describe()
         metadata = {**self._metadata(), **mode}
         self.discovery = Discovery(
@@ -195,8 +198,9 @@ class WorkerRuntime:
         await self.drain(0.0)
         if self.kv is not None:
             await self.kv.stop()
-        if self._prober is not None:
-            self._prober.cancel()
+        for task in (self._prober, self._heart):
+            if task is not None:
+                task.cancel()
         if self._cancel_subscription is not None:
             try:
                 await self._cancel_subscription.unsubscribe()
