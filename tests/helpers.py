@@ -470,3 +470,26 @@ async def final_reasons(
     except Exception as error:
         return type(error).__name__
     return ",".join(finals)
+
+
+def check_continued(want: Completion, prompt_len: int, frames: list[ResponseFrame]) -> None:
+    """A stream that went through migrations is one undisturbed greedy stream: seq 0…, no error,
+    one `length` end with the original prompt's usage, and `want`'s tokens, logprobs (within
+    1e-5) and top-logprob candidates, row for row."""
+    expected = want.choices[0]
+    assert [f.seq for f in frames] == list(range(len(frames)))
+    assert not any(f.error for f in frames), [f.error for f in frames if f.error]
+    assert [f.finish_reason for f in frames if f.finish_reason] == ["length"]
+    assert sum((f.token_ids for f in frames), []) == expected.token_ids
+    log_probs = sum((f.log_probs or [] for f in frames), [])
+    rows = sum((f.top_logprobs or [] for f in frames), [])
+    assert len(log_probs) == len(rows) == len(expected.token_ids)
+    pairs = zip(log_probs, expected.log_probs, strict=True)
+    assert max(abs(a - b) for a, b in pairs if a is not None and b is not None) < 1e-5
+    for row, expected_row in zip(rows, expected.top_logprobs, strict=True):
+        assert [r.token_id for r in row] == [r.token_id for r in expected_row]
+    usage = frames[-1].completion_usage
+    assert usage and (usage.prompt_tokens, usage.completion_tokens) == (
+        prompt_len,
+        len(expected.token_ids),
+    )

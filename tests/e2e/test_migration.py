@@ -21,7 +21,7 @@ import nats
 
 from messages.frames import ResponseFrame
 from messages.subjects import Subjects
-from tests.helpers import collect, read_until, start_cli_worker
+from tests.helpers import check_continued, collect, read_until, start_cli_worker
 from worker.client import complete, generate
 from worker.client.requests import make_request
 from worker.config import NatsConfig, WorkerConfig
@@ -88,20 +88,7 @@ async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
 
         stalls = []
         for i, frames in enumerate(results):
-            want = reference[i].choices[0]
-            assert [f.seq for f in frames] == list(range(len(frames)))
-            assert not any(f.error for f in frames), [f.error for f in frames if f.error]
-            assert [f.finish_reason for f in frames if f.finish_reason] == ["length"]
-            got = sum((f.token_ids for f in frames), [])
-            assert got == want.token_ids, i
-            log_probs = sum((f.log_probs for f in frames), [])
-            rows = sum((f.top_logprobs for f in frames), [])
-            assert len(log_probs) == len(rows) == TOKENS
-            assert max(abs(a - b) for a, b in zip(log_probs, want.log_probs, strict=True)) < 1e-5
-            for row, want_row in zip(rows, want.top_logprobs, strict=True):
-                assert [r.token_id for r in row] == [r.token_id for r in want_row]
-            usage = frames[-1].completion_usage
-            assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_of(i)), TOKENS)
+            check_continued(reference[i], len(prompt_of(i)), frames)
             gaps = [
                 b - a for a, b in zip(arrivals[i], arrivals[i][1:], strict=False) if b > killed_at
             ]

@@ -25,6 +25,7 @@ import pytest
 
 from messages.frames import ResponseFrame
 from messages.subjects import Subjects
+from tests.helpers import settled_state
 from tests.integration.conftest import paced, queue_settings
 from worker.client import RequestError, generate, jetstream_stream
 from worker.client.requests import make_request
@@ -45,12 +46,13 @@ WORKER_PROCESS = textwrap.dedent(
     from worker.dev.fakes import PacedFakeEngine
     from worker.nats.runtime import open_worker
 
-    async def main(url, namespace, mode):
+    async def main(url, namespace, mode, ack_wait):
+        queue = JetStreamSettings(ack_wait_s=float(ack_wait))
         config = WorkerConfig(
             nats=NatsConfig(servers=[url]),
             subjects=Subjects(namespace, "vllm", "generate"),
             heartbeat_interval_s=0.2,
-            jetstream=JetStreamSettings(ack_wait_s=30.0) if mode == "jetstream" else None,
+            jetstream=queue if mode == "jetstream" else None,
         )
         runtime = await open_worker(PacedFakeEngine(0.01), config)
         print("ready", flush=True)
@@ -67,9 +69,11 @@ async def worker_process(nats_server) -> AsyncIterator[Callable[..., object]]:
     mode="core")`; SIGKILL it to kill the worker as a host dies. Killed after the test."""
     made: list[subprocess.Popen[str]] = []
 
-    async def start(namespace: str, mode: str = "core") -> subprocess.Popen[str]:
+    async def start(
+        namespace: str, mode: str = "core", ack_wait: float = 30.0
+    ) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER_PROCESS, nats_server.url, namespace, mode],
+            [sys.executable, "-c", WORKER_PROCESS, nats_server.url, namespace, mode, str(ack_wait)],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,
@@ -234,14 +238,15 @@ async def test_jetstream_a_sigkilled_worker_s_streams_continue_without_a_restart
     nats_server, fake_worker, worker_process, caplog
 ) -> None:
     """Work-queue mode: the worker serving every stream is SIGKILLed; each continuation is a
-    new queue message, taken by the survivor long before the dead worker's messages are
-    redelivered (ack_wait 30 s), and no frame of a redelivery can reach the caller: every
-    stream stays on attempt 1."""
-    caplog.set_level(logging.INFO, logger="worker.client.library")
+    new queue message, taken by the survivor before the dead worker's messages are redelivered
+    (ack_wait 3 s), and no frame of a redelivery can reach the caller: every stream stays on
+    attempt 1. The redeliveries themselves are terminated unrun: nobody listens on their
+    reply subjects any more."""
+    caplog.set_level(logging.INFO)
     namespace = "jsmigrate"
     subjects = Subjects(namespace, "vllm", "generate")
-    settings = JetStreamSettings(ack_wait_s=30.0)
-    doomed = await worker_process(namespace, "jetstream")
+    settings = JetStreamSettings(ack_wait_s=3.0)
+    doomed = await worker_process(namespace, "jetstream", ack_wait=3.0)
     clients = [await nats.connect(nats_server.url) for _ in range(2)]
     received = [0] * 8
     started = asyncio.Event()
@@ -261,13 +266,18 @@ async def test_jetstream_a_sigkilled_worker_s_streams_continue_without_a_restart
     try:
         tasks = [asyncio.create_task(one(i)) for i in range(8)]
         await asyncio.wait_for(started.wait(), 30)
-        await fake_worker(subjects, paced(), **queue_settings(settings, 16), **HEARTBEAT)
+        engine = paced()
+        await fake_worker(subjects, engine, **queue_settings(settings, 16), **HEARTBEAT)
         os.kill(doomed.pid, signal.SIGKILL)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 25)  # < ack_wait
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 25)
         for i, frames in enumerate(results):
             check_one_stream(prompt_of(i), frames)
             assert {f.attempt for f in frames} == {1}
-        assert "continued on another worker" in caplog.text
+        assert caplog.text.count("continued on another worker") == 8
+        state, consumer = await settled_state(clients[0], subjects, settings)
+        assert state.messages == 0 and consumer.num_ack_pending == 0
+        assert caplog.text.count("nobody listens on its reply subject any more") == 8
+        assert engine.requests == 8  # the continuations only
     finally:
         for nc in clients:
             await nc.close()

@@ -215,6 +215,11 @@ class Liveness:
         if waited > 0.05:
             log.info("frames to %s resume after %.2fs", loggable(listener.reply), waited)
 
+    async def listened(self, reply: str) -> bool | None:
+        """One probe of a reply subject no request holds yet: True, someone listens; False,
+        nobody ("no responders"); None, no answer either way."""
+        return await self._probe(Listener(reply, client_key(reply), self._epoch()))
+
     async def _probe_shared(self, listener: Listener) -> bool | None:
         """One probe of the listener at a time, however many publishers wait on it."""
         if listener._probe is None or listener._probe.done():

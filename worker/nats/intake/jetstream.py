@@ -215,8 +215,29 @@ class JetStreamIntake:
                 log.warning("jetstream fetch failed: %r", error)
                 await asyncio.sleep(0.5)
                 continue
-            for msg in messages:
-                await self._take_guarded(msg)
+            unheard = await asyncio.gather(*(self._unheard_redelivery(m) for m in messages))
+            for msg, drop in zip(messages, unheard, strict=True):
+                if drop:
+                    await msg.term()
+                else:
+                    await self._take_guarded(msg)
+
+    async def _unheard_redelivery(self, msg: Msg) -> bool:
+        """Whether `msg` is a redelivery whose reply subject nobody listens on any more: its
+        publisher continued the request as a new message (worker.client.jetstream_stream) or
+        left, so no attempt is started for nobody."""
+        reply = (msg.headers or {}).get(REPLY_HEADER, "")
+        if not reply or msg.metadata.num_delivered <= 1:
+            return False
+        if await self.liveness.listened(reply) is not False:
+            return False
+        log.info(
+            "jetstream: terminated attempt %d of message %d: nobody listens on its reply "
+            "subject any more (its publisher continued it elsewhere or left)",
+            msg.metadata.num_delivered,
+            msg.metadata.sequence.stream,
+        )
+        return True
 
     def _delivery(self, msg: Msg, reply: str) -> Delivery:
         attempt = msg.metadata.num_delivered
