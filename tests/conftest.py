@@ -50,6 +50,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "own_engine: starts its own engine processes (a worker by its CLI, the demo) and uses "
         "no session engine, so .ci/run runs these beside the rest in a second pytest process",
     )
+    config.addinivalue_line(
+        "markers",
+        "second_session: a long e2e test on a session engine that .ci/run runs in a third "
+        "pytest process, beside the integration layer (mostly waiting), with a session engine "
+        "of its own",
+    )
     if _only_layer(config) == "unit":
         for name in _HEAVY:
             if name in sys.modules:

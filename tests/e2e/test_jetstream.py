@@ -74,6 +74,7 @@ async def js_workers(nats_server):
         await worker.stop()
 
 
+@pytest.mark.second_session
 async def test_sigkilled_worker_requests_complete_on_the_survivor(
     engine, worker, nats_server, tiny_model, client, js_workers
 ) -> None:

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import nats
+import pytest
 
 from messages.frames import ResponseFrame
 from messages.subjects import Subjects
@@ -26,6 +27,8 @@ from worker.client import complete, generate
 from worker.client.requests import make_request
 from worker.config import NatsConfig, WorkerConfig
 from worker.nats.runtime import open_worker
+
+pytestmark = pytest.mark.second_session
 
 STREAMS, TOKENS, CLIENTS = 64, 300, 4
 
