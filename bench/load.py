@@ -148,6 +148,32 @@ class NatsSender:
             await self._subscription.unsubscribe()
 
 
+class LibrarySender:
+    """Sends each request through the client library (`worker.client.generate`: its own inbox,
+    the frame reader, and migration unless `migration_limit` is 0), as a Python publisher does."""
+
+    def __init__(self, nc: NATS, subject: str, migration_limit: int) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.migration_limit = migration_limit
+        self.frames = 0
+
+    async def __call__(self, request: GenerateRequest) -> tuple[float, int]:
+        from worker.client import generate
+
+        start = time.perf_counter()
+        first = None
+        tokens = 0
+        async for frame in generate(
+            self.nc, request, subject=self.subject, migration_limit=self.migration_limit
+        ):
+            self.frames += 1
+            if frame.token_ids and first is None:
+                first = time.perf_counter()
+            tokens += len(frame.token_ids)
+        return (first or time.perf_counter()) - start, tokens
+
+
 class DirectSender:
     """The baseline: the same request straight into the same in-process AsyncLLM, with the
     worker's own SamplingParams (flat logprobs, no detokenize, DELTA), nothing else."""

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import nats
 
-from bench.load import NatsSender, OpenAISender, RunResult, prompts, run
+from bench.load import LibrarySender, NatsSender, OpenAISender, RunResult, prompts, run
 from worker.shared.nats_compat import flush_ordered
 
 
@@ -45,11 +45,19 @@ class RunAnswer(msgspec.Struct):
     frames: int
 
 
-async def serve(nats_url: str, subject: str, control: str, openai: tuple[str, str] | None) -> None:
+async def serve(
+    nats_url: str,
+    subject: str,
+    control: str,
+    openai: tuple[str, str] | None,
+    library_migration_limit: int | None = None,
+) -> None:
     nc = await nats.connect(nats_url)
     http = None
-    sender: NatsSender | OpenAISender
-    if openai is None:
+    sender: NatsSender | OpenAISender | LibrarySender
+    if library_migration_limit is not None:
+        sender = LibrarySender(nc, subject, library_migration_limit)
+    elif openai is None:
         sender = NatsSender(nc, subject)
         await sender.start()
     else:
@@ -99,10 +107,16 @@ class LoadProcess:
     """The parent's handle: `await load.run(spec)` → RunResult measured in the child."""
 
     def __init__(
-        self, nc, nats_url: str, subject: str, openai: tuple[str, str] | None = None
+        self,
+        nc,
+        nats_url: str,
+        subject: str,
+        openai: tuple[str, str] | None = None,
+        library_migration_limit: int | None = None,
     ) -> None:
         """`openai`: (base URL, model) to load an OpenAI-compatible server instead of the
-        worker (the control channel stays on NATS)."""
+        worker (the control channel stays on NATS). `library_migration_limit`: send through
+        the client library with this migration limit (bench.load.LibrarySender)."""
         self.nc = nc
         self.control = f"_bench.control.{os.getpid()}.{next(_LOAD_PROCESSES)}"
         self._argv = [
@@ -111,6 +125,8 @@ class LoadProcess:
         ]  # fmt: skip
         if openai is not None:
             self._argv += ["--openai-url", openai[0], "--model", openai[1]]
+        if library_migration_limit is not None:
+            self._argv += ["--library-migration-limit", str(library_migration_limit)]
         self._process: subprocess.Popen[str] | None = None
 
     def start(self) -> LoadProcess:
@@ -142,9 +158,15 @@ def main() -> None:
     parser.add_argument("--control", required=True)
     parser.add_argument("--openai-url", help="load this OpenAI-compatible server instead")
     parser.add_argument("--model", help="the model name the OpenAI server serves")
+    parser.add_argument(
+        "--library-migration-limit",
+        type=int,
+        help="send through the client library (worker.client.generate) with this migration limit",
+    )
     args = parser.parse_args()
     openai = (args.openai_url, args.model) if args.openai_url else None
-    asyncio.run(serve(args.nats_url, args.subject, args.control, openai))
+    limit = args.library_migration_limit
+    asyncio.run(serve(args.nats_url, args.subject, args.control, openai, limit))
 
 
 if __name__ == "__main__":

@@ -145,6 +145,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # aborted and each open choice ends with finish_reason "cancelled", error code
     # "deadline_exceeded". At most INT32_MAX ms (~24.8 days).
     timeout_ms: PositiveInt | None = None
+    # A continuation (worker.client's migration): how many tokens at the end of `token_ids` are
+    # this request's own earlier output, so that a stop string straddling the seam still ends
+    # it (vLLM matches stop strings on its output text only). Must be < len(token_ids).
+    continued_tokens: NonNegativeInt | None = None
 
 
 class CancelRequest(msgspec.Struct, kw_only=True):

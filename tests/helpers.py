@@ -244,8 +244,16 @@ async def start_cli_worker(
     own_session: bool = False,
 ) -> asyncio.subprocess.Process:
     """`python -m worker` on the tiny model as a subprocess, stdout and stderr piped together;
-    `own_session`: its own process group, so a test can end the worker and its engine at once."""
+    `own_session`: its own process group, so a test can end the worker and its engine at once.
+
+    It runs niced, its engine processes too: on a host with fewer cores than busy processes
+    (CI runs three pytest processes on two), the test that watches a worker must not be starved
+    by it, or it sees what the worker did long after it was done (a stream it means to cancel or
+    kill mid-flight has already ended)."""
     return await asyncio.create_subprocess_exec(
+        "nice",
+        "-n",
+        "10",
         sys.executable,
         "-m",
         "worker",

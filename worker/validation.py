@@ -54,6 +54,12 @@ def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
     stop = request.stop_conditions
     output = request.output_options
 
+    if request.continued_tokens is not None and request.continued_tokens >= len(request.token_ids):
+        raise InvalidRequest(
+            "continued_tokens",
+            f"must be < the number of token_ids ({len(request.token_ids)}), "
+            f"got {request.continued_tokens}",
+        )
     if sampling.n > limits.max_n:
         raise InvalidRequest("sampling_options.n", f"must be <= {limits.max_n}, got {sampling.n}")
     if sampling.use_beam_search:

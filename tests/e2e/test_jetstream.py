@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from messages.frames import ResponseFrame
-from messages.request import GenerateRequest
 from messages.subjects import Subjects
+from tests.e2e.conftest import MIGRATED_STREAMS, migrated_request
 from tests.helpers import (
     REAPER,
     check_continued,
@@ -36,19 +36,13 @@ from tests.helpers import (
     stream_state,
     wait_gone,
 )
-from worker.client import complete, jetstream_generate, jetstream_stream
+from worker.client import jetstream_generate, jetstream_stream
 from worker.client.requests import make_request
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.nats.runtime import WorkerRuntime, open_worker
 
 PROMPT = [1, 300, 301, 302]
-RAW, USERS = 2, 64
-
-
-def user_request(i: int) -> GenerateRequest:
-    return make_request(
-        f"user-{i}", [1, 40 + i, 300 + i % 7, 500 + i % 11], max_tokens=300, logprobs=5
-    )
+RAW, USERS = 2, MIGRATED_STREAMS
 
 
 @pytest.fixture
@@ -76,19 +70,13 @@ async def js_workers(nats_server):
 
 @pytest.mark.second_session
 async def test_sigkilled_worker_requests_complete_on_the_survivor(
-    engine, worker, nats_server, tiny_model, client, js_workers
+    engine, nats_server, tiny_model, client, js_workers, undisturbed
 ) -> None:
     """Two kinds of publisher on one worker that dies: raw `jetstream_generate` readers (2
-    requests, n=4, sampled) see the queue's redelivery (attempt 2 from token 0), and 64 user
+    requests, n=2, sampled) see the queue's redelivery (attempt 2 from token 0), and 64 user
     streams from 4 clients (`jetstream_stream`: 300 greedy tokens, logprobs 5) continue after
     the tokens they had, token for token and logprob for logprob an undisturbed run's, on
-    attempt 1 throughout; their old messages' redeliveries are terminated unrun."""
-    reference = await asyncio.gather(
-        *(
-            complete(client, user_request(i), subject=worker.config.subjects.generate)
-            for i in range(USERS)
-        )
-    )
+    attempt 1 throughout."""
     subjects = Subjects("jsk", "vllm", "generate")
     settings = JetStreamSettings(ack_wait_s=3.0)
     proc = await start_cli_worker(
@@ -123,11 +111,12 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         async def user(i: int) -> list[ResponseFrame]:
             frames = []
             nc = user_clients[i % 4]
-            async for frame in jetstream_stream(nc, user_request(i), subjects=subjects):
+            request = migrated_request(i, f"user-{i}")
+            async for frame in jetstream_stream(nc, request, subjects=subjects):
                 frames.append(frame)
                 arrivals[i].append(time.monotonic())
                 received[i] += len(frame.token_ids)
-                if min(received) >= 8:
+                if min(received) >= 4:
                     all_heard.set()
             return frames
 
@@ -139,8 +128,8 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
             request = make_request(
                 request_id,
                 [1, 70 + i, 300],
-                max_tokens=450,
-                n=4,
+                max_tokens=300,
+                n=2,
                 temperature=1.0,
                 seed=i,
                 logprobs=5,
@@ -186,7 +175,7 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         continued = await asyncio.wait_for(asyncio.gather(*users), 180)
         for i, frames in enumerate(continued):
             assert {f.attempt for f in frames} == {1}
-            check_continued(reference[i], len(user_request(i).token_ids), frames)
+            check_continued(undisturbed[i], len(migrated_request(i).token_ids), frames)
         stalls = [
             max(b - a for a, b in zip(times, times[1:], strict=False) if b > killed_at)
             for times in arrivals
@@ -196,7 +185,7 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
               f"p99 {p99:.2f} s")  # fmt: skip
         for i, frames in enumerate(results):
             assert seen[f"kill-{i}"] == [1, 2], (seen, ends, "".join(lines[-40:]))
-            tokens = {c: 0 for c in range(4)}
+            tokens = {c: 0 for c in range(2)}
             finals = {}
             for frame in frames:
                 assert frame.attempt == 2
@@ -204,8 +193,8 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
                 tokens[frame.index] += len(frame.token_ids)
                 if frame.finish_reason is not None:
                     finals[frame.index] = frame.finish_reason
-            assert finals == {c: "length" for c in range(4)}
-            assert tokens == {c: 450 for c in range(4)}  # one complete answer per choice
+            assert finals == {c: "length" for c in range(2)}
+            assert tokens == {c: 300 for c in range(2)}  # one complete answer per choice
         state, consumer = await settled_state(client, subjects, settings)
         assert state.messages == 0 and consumer.num_ack_pending == 0  # 0 lost, 0 left
         for nc in user_clients:

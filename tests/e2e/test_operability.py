@@ -189,9 +189,11 @@ async def test_metrics_endpoint_shows_counters_and_histograms(
 
 
 async def _frames(nc, subject, request):
+    """The frames as the worker sends them: migration off, so a dying worker's error frames
+    reach the test instead of being continued elsewhere."""
     from worker.client import generate
 
-    async for frame in generate(nc, request, subject=subject):
+    async for frame in generate(nc, request, subject=subject, migration_limit=0):
         yield frame
 
 

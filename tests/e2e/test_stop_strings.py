@@ -156,3 +156,43 @@ async def test_the_client_cli_prints_the_stop_reason_and_the_cut_text(
     lines = done.stdout.splitlines()
     assert f"0: finish_reason=stop stop_reason={stop_string!r} " in "\n".join(lines) + " "
     assert f"0: text={reference.text!r}" in lines
+
+
+async def test_a_stop_string_across_a_continuations_seam_ends_it_where_vllm_ends_it(
+    worker, client, engine, tokenizer: ModelTokenizer
+) -> None:
+    """A migration's continuation (worker/client/migration.py) whose seam falls inside the stop
+    string's match: with `continued_tokens` it ends at the token where the undisturbed run ends
+    (vLLM alone would not see a match that began in its prompt; without the field it runs on)."""
+    base = await _vllm(engine, "seam-base")
+    tokens = list(base.token_ids)
+    text = tokenizer.text(tokens)
+    for seam in range(len(tokens) // 3, len(tokens) - 2):
+        at = len(tokenizer.text(tokens[:seam]))
+        stop = text[at - 1 : at + 2]  # one character before the seam, two after
+        if len(stop.strip()) == len(stop) == 3 and text.find(stop) == at - 1:
+            break
+    else:
+        pytest.fail(f"no 3-character string across a token boundary in {text!r}")
+    reference = await _vllm(engine, "seam-ref", stop=[stop])
+    assert (reference.finish_reason, reference.stop_reason) == ("stop", stop)
+    assert len(reference.token_ids) > seam
+
+    async def continued(request_id: str, field: int | None):
+        request = make_request(
+            request_id,
+            PROMPT + tokens[:seam],
+            max_tokens=MAX_TOKENS - seam,
+            logprobs=2,
+            stop=[stop],
+        )
+        request.continued_tokens = field
+        return await complete(client, request, subject=SUBJECT)
+
+    answer = (await continued("seam-on", seam)).choices[0]
+    assert (answer.finish_reason, answer.stop_reason) == ("stop", stop)
+    assert answer.token_ids == list(reference.token_ids)[seam:]
+    assert len(answer.log_probs) == len(answer.top_logprobs) == len(answer.token_ids)
+    unaware = (await continued("seam-off", None)).choices[0]
+    assert len(unaware.token_ids) > len(answer.token_ids)
+    assert engine.num_unfinished_requests() == 0

@@ -44,6 +44,7 @@ def test_a_continuation_is_the_prompt_plus_what_was_received_with_what_remains()
     assert leg is not None
     assert leg.request_id == "r"
     assert leg.token_ids == [1, 2, 3, 4, 10, 11, 12]
+    assert leg.continued_tokens == 3  # stop strings match across the seam
     assert leg.stop_conditions.max_tokens == 7
     assert leg.stop_conditions.min_tokens == 1
     assert leg.stop_conditions.stop == ["END"]

@@ -86,6 +86,11 @@ def refusal(req: GenerateRequest, limits: EngineLimits = LIMITS) -> InvalidReque
             "stop_conditions.min_tokens",
             "must be <= max_tokens (8), got 9",
         ),
+        (
+            {"continued_tokens": 4},
+            "continued_tokens",
+            "must be < the number of token_ids (4), got 4",
+        ),
     ],
     ids=[
         "n-above-max_n",
@@ -99,6 +104,7 @@ def refusal(req: GenerateRequest, limits: EngineLimits = LIMITS) -> InvalidReque
         "prompt-fills-the-context",
         "max-tokens-past-the-context",
         "min-tokens-above-max-tokens",
+        "continued-tokens-cover-the-whole-prompt",
     ],
 )
 def test_each_rule_names_its_field_and_rule(fields: dict, field: str, rule: str) -> None:

@@ -26,6 +26,7 @@ from messages.frames import ErrorInfo, ResponseFrame
 from messages.request import GenerateRequest, OutputOptions, SamplingOptions, StopConditions
 from messages.subjects import Subjects
 from worker.client.library import discover_workers, generate, jetstream_stream, subjects_of
+from worker.client.migration import MIGRATION_LIMIT
 from worker.client.reader import FrameOrderError, RequestError
 from worker.client.stops import stop_cut
 from worker.shared.nats_connection import ConnectFailed, connect
@@ -92,6 +93,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="retries of an overloaded/worker_shutdown refusal on other workers",
     )
     parser.add_argument(
+        "--migration-limit",
+        type=int,
+        default=MIGRATION_LIMIT,
+        help="times the request may continue on another worker when the one serving it dies or "
+        "drains; 0: off (default: %(default)s)",
+    )
+    parser.add_argument(
         "--wait",
         type=float,
         default=0.0,
@@ -151,7 +159,12 @@ async def _main(argv: list[str] | None) -> int:
         codec = JSON if args.wire == "json" else MSGPACK
         if args.jetstream:
             frames = jetstream_stream(
-                nc, request, subjects=subjects_of(args.subject), codec=codec, timeout=args.timeout
+                nc,
+                request,
+                subjects=subjects_of(args.subject),
+                codec=codec,
+                timeout=args.timeout,
+                migration_limit=args.migration_limit,
             )
         else:
             frames = generate(
@@ -161,6 +174,7 @@ async def _main(argv: list[str] | None) -> int:
                 codec=codec,
                 timeout=args.timeout,
                 retries=args.retries,
+                migration_limit=args.migration_limit,
             )
         # Closed here, before the connection: printing may stop at an error frame.
         async with aclosing(_report_errors(frames, args.timeout)) as reported:

@@ -18,8 +18,9 @@ same sampling, stop and logprob options. The caller sees one stream (`Seam.trans
 
 Not continued (the error reaches the caller as before): a request with `n > 1` (each choice would
 need a prompt of its own) and one with `guided_decoding` (the constraint would start over on the
-continuation's output). Stop strings match only within a leg: one that straddles the seam is not
-seen by vLLM, which matches stop strings on its own output text.
+continuation's output). Stop strings still match across the seam: a continuation says how many
+of its prompt tokens are earlier output (`continued_tokens`), and the worker finds a stop string
+that began there (worker/engine/seam_stops.py), since vLLM matches only its own output text.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class Seam:
             ),
             output_options=msgspec.structs.replace(output, prompt_logprobs=prompt_logprobs),
             timeout_ms=timeout_ms,
+            continued_tokens=(request.continued_tokens or 0) + done,
         )
 
     def final_frame(self) -> ResponseFrame:

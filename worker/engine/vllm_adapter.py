@@ -42,6 +42,7 @@ from worker.engine.contract import (
     PromptRows,
 )
 from worker.engine.kv_events import VllmKvEvents
+from worker.engine.seam_stops import SeamStops
 from worker.errors import describe
 from worker.shared.tokens import TokenTable
 from worker.validation import max_new_tokens
@@ -247,6 +248,7 @@ class VllmEngine:
         want_prompt = request.output_options.prompt_logprobs
         k = request.output_options.logprobs
         prompt_done = want_prompt is None
+        seam = self._seam_stops(request)
         outputs = self._llm.generate(prompt, params, engine_request_id)
         first = True
         try:
@@ -288,9 +290,21 @@ class VllmEngine:
                     )
                     prompt_rows = PromptRows(*rows)
                     prompt_done = True
-                yield EngineStep(prompt_rows, [self._delta(c, k, eos_ids) for c in out.outputs])
+                deltas = [self._delta(c, k, eos_ids) for c in out.outputs]
+                if seam is not None and (cut := seam.stop_at(deltas[0].token_ids)) is not None:
+                    yield EngineStep(prompt_rows, [_stopped_at(deltas[0], *cut)])
+                    return  # closing `outputs` aborts the engine request
+                yield EngineStep(prompt_rows, deltas)
         finally:
             await outputs.aclose()
+
+    def _seam_stops(self, request: GenerateRequest) -> SeamStops | None:
+        """A continuation with stop strings (n is 1: worker.client continues no other)."""
+        stop = request.stop_conditions.stop
+        if not request.continued_tokens or not stop or request.sampling_options.n != 1:
+            return None
+        earlier = request.token_ids[len(request.token_ids) - request.continued_tokens :]
+        return SeamStops(stop, earlier, self.table)
 
     def _delta(
         self, output: CompletionOutput, k: int | None, eos_ids: frozenset[int]
@@ -366,6 +380,19 @@ class SchedulerLoad:
                 pass
 
         return LatestSchedulerStats(vllm_config, engine_index)
+
+
+def _stopped_at(delta: ChoiceDelta, position: int, stop: str) -> ChoiceDelta:
+    """`delta` ended at `position` by a stop string that straddles a continuation's seam."""
+    end = position + 1
+    return ChoiceDelta(
+        delta.index,
+        delta.token_ids[:end],
+        None if delta.log_probs is None else delta.log_probs[:end],
+        None if delta.top_logprobs is None else delta.top_logprobs[:end],
+        "stop",
+        stop,
+    )
 
 
 def _finish_reason(output: CompletionOutput, eos_ids: frozenset[int]) -> FinishReason | None:
