@@ -112,7 +112,10 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
             frames = []
             nc = user_clients[i % 4]
             request = migrated_request(i, f"user-{i}")
-            async for frame in jetstream_stream(nc, request, subjects=subjects):
+            # The redelivery at ack_wait (3 s) tells these streams of the loss; a long silence
+            # timeout keeps a niced worker starved on a busy CI host from being taken for dead.
+            stream = jetstream_stream(nc, request, subjects=subjects, silence_timeout=20.0)
+            async for frame in stream:
                 frames.append(frame)
                 arrivals[i].append(time.monotonic())
                 received[i] += len(frame.token_ids)
@@ -152,8 +155,10 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
 
         tasks = [asyncio.create_task(one(i)) for i in range(RAW)]
         users = [asyncio.create_task(user(i)) for i in range(USERS)]
+        began = time.monotonic()
         await asyncio.wait_for(first_frames.wait(), 120)
         await asyncio.wait_for(all_heard.wait(), 120)
+        heard_after = time.monotonic() - began
         # The host dies mid-generation (nothing acked). Its processes are stopped first, so that
         # the stream shows what it had acked at the moment of death; then the main process alone
         # is killed, and its reaper (own session, not stopped) kills vLLM's engine processes,
@@ -164,7 +169,10 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         await proc.wait()
         killed_at = time.monotonic()
         killed.set()
-        assert consumer.num_ack_pending == RAW + USERS, "a stream ended before the kill"
+        assert consumer.num_ack_pending == RAW + USERS, (
+            f"a stream ended before the kill: every stream heard after {heard_after:.1f} s, "
+            f"tokens received {sorted(received)}, {consumer}"
+        )
         left = await asyncio.to_thread(wait_gone, family, 15)
         assert left == [], [process_text(p) for p in left]
         await asyncio.wait_for(rest, 15)  # every holder of the worker's stdout is gone

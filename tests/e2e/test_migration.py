@@ -28,8 +28,6 @@ from worker.client import generate
 from worker.config import NatsConfig, WorkerConfig
 from worker.nats.runtime import open_worker
 
-pytestmark = pytest.mark.second_session
-
 STREAMS, TOKENS, CLIENTS = MIGRATED_STREAMS, MIGRATED_TOKENS, 4
 
 
@@ -104,6 +102,7 @@ async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
             await nc.close()
 
 
+@pytest.mark.second_session
 async def test_a_rolling_restart_under_load_ends_no_request_in_error(
     engine, nats_server, tiny_model, caplog
 ) -> None:
