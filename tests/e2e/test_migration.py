@@ -23,7 +23,14 @@ import pytest
 from messages.frames import ResponseFrame
 from messages.subjects import Subjects
 from tests.e2e.conftest import MIGRATED_STREAMS, MIGRATED_TOKENS, migrated_request
-from tests.helpers import check_continued, collect, read_until, serving, start_cli_worker
+from tests.helpers import (
+    check_continued,
+    collect,
+    read_until,
+    run_in_slices,
+    serving,
+    start_cli_worker,
+)
 from worker.client import generate
 from worker.config import NatsConfig, WorkerConfig
 from worker.nats.runtime import open_worker
@@ -61,17 +68,15 @@ async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
                     started.set()
             return frames
 
+        # The worker runs in slices from here, so that every stream is mid-flight when it dies.
+        os.killpg(proc.pid, signal.SIGSTOP)
         tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
-        await asyncio.wait_for(started.wait(), 240)
+        await run_in_slices(proc.pid, started.is_set)
+        killed_at = time.monotonic()
+        assert max(received) < TOKENS, "a stream ended before the kill"
         # The second worker joins: the first holds every stream when it dies.
         config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects)
         survivor = await open_worker(engine, config)
-        # The host freezes, then dies: whatever it sent before arrives meanwhile, so the check
-        # that every stream is mid-flight does not depend on how fast this test reads.
-        os.killpg(proc.pid, signal.SIGSTOP)
-        killed_at = time.monotonic()
-        await asyncio.sleep(1.0)
-        assert max(received) < TOKENS, "a stream ended before the kill"
         os.killpg(proc.pid, signal.SIGKILL)  # the whole host: worker, engine core, reaper's kin
         await proc.wait()
         rest.cancel()
