@@ -52,9 +52,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "second_session: a long e2e test on a session engine that .ci/run runs in a third "
-        "pytest process, beside the integration layer (mostly waiting), with a session engine "
-        "of its own",
+        "second_session: an e2e test that .ci/run runs in a third pytest process, beside the "
+        "integration layer (mostly waiting), with a session engine of its own (long tests, "
+        "moved there to even the jobs out)",
     )
     if _only_layer(config) == "unit":
         for name in _HEAVY:

@@ -507,15 +507,16 @@ async def run_in_slices(
     group: int,
     done: Callable[[], bool],
     *,
-    slice_s: float = 0.05,
+    slice_s: float = 0.2,
     settle_s: float = 0.25,
     within: float = 120.0,
 ) -> None:
     """Lets a stopped process group (a worker started with `own_session`, SIGSTOPped) run in
-    slices of `slice_s` until `done()` holds, checked while it is stopped and after what it sent
-    has had `settle_s` to arrive; leaves it stopped. So a test can kill a worker in the middle of
-    its streams however fast the worker and however slow the test's reading (a tiny model on a
-    busy host ends 64 streams of 300 tokens before a starved reader has seen their first)."""
+    slices of `slice_s` (the tiny model makes about 20 tokens a stream in one) until `done()`
+    holds, checked while it is stopped and after what it sent has had `settle_s` to arrive;
+    leaves it stopped. So a test can kill a worker in the middle of its streams however fast the
+    worker and however slow the test's reading (a tiny model on a busy host ends 64 streams of
+    300 tokens before a starved reader has seen their first)."""
     deadline = time.monotonic() + within
     while True:
         os.killpg(group, signal.SIGCONT)

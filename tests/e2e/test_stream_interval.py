@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from messages.codec import MSGPACK
 from messages.frames import ResponseFrame
 from messages.subjects import Subjects
@@ -27,6 +29,7 @@ TOKENS = 25
 INTERVAL = 4
 
 
+@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
 async def test_stream_interval_coalesces_frames_and_keeps_logprobs_aligned(
     nats_server, tiny_model, worker, client, engine
 ) -> None:
