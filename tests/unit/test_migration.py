@@ -125,6 +125,7 @@ def test_what_is_never_continued_says_why() -> None:
 def test_an_error_frame_keeps_its_code_and_takes_the_next_seq() -> None:
     seam = Seam(make_request("r", PROMPT, max_tokens=9))
     seam.translate(tokens(0, [10]))
+    assert seam.continuation() is not None  # the continuation's own seq starts over
     error = ResponseFrame(
         request_id="r",
         seq=5,

@@ -201,7 +201,7 @@ def _instance_from_stats(data: bytes, generate_subject: str) -> WorkerInstance |
     )
 
 
-async def generate(
+def generate(
     nc: NATS,
     request: GenerateRequest,
     *,
@@ -242,16 +242,24 @@ async def generate(
             silence=silence_timeout,
         )
 
-    async with aclosing(_migrating(request, leg, migration_limit)) as frames:
-        async for frame in frames:
-            yield frame
+    return _migrating(request, leg, migration_limit)
+
+
+def _migrating(
+    request: GenerateRequest, leg: Leg, migration_limit: int
+) -> AsyncGenerator[ResponseFrame, None]:
+    """The request's frames over as many legs as it takes; with migration off, its one leg as
+    it comes (no seam to keep: what bench/migration_cost.py compares against)."""
+    if migration_limit <= 0:
+        return leg(request, 0)
+    return _continued(request, leg, migration_limit)
 
 
 Leg = Callable[[GenerateRequest, int], AsyncGenerator[ResponseFrame, None]]
 """One leg of a request: (the leg's request, how many migrations came before) → its frames."""
 
 
-async def _migrating(
+async def _continued(
     request: GenerateRequest, leg: Leg, migration_limit: int
 ) -> AsyncGenerator[ResponseFrame, None]:
     """The request's frames as one stream over as many legs as it takes (see `generate`)."""
@@ -427,7 +435,7 @@ async def jetstream_generate(
         await subscription.unsubscribe()
 
 
-async def jetstream_stream(
+def jetstream_stream(
     nc: NATS,
     request: GenerateRequest,
     *,
@@ -449,9 +457,7 @@ async def jetstream_stream(
     def leg(request: GenerateRequest, migration: int) -> AsyncGenerator[ResponseFrame, None]:
         return _jetstream_leg(nc, request, subjects, codec, timeout, silence_timeout)
 
-    async with aclosing(_migrating(request, leg, migration_limit)) as frames:
-        async for frame in frames:
-            yield frame
+    return _migrating(request, leg, migration_limit)
 
 
 async def _jetstream_leg(

@@ -68,19 +68,22 @@ class Seam:
 
     def translate(self, frame: ResponseFrame) -> ResponseFrame | None:
         """The frame as the caller's one stream has it, or None when it holds nothing new."""
-        if self.legs > 1:
-            frame = self._trim_prompt_rows(frame)
-            if (
-                not frame.token_ids
-                and frame.finish_reason is None
-                and frame.prompt_log_probs is UNSET
-                and frame.error is UNSET
-            ):
-                return None
-        elif frame.prompt_log_probs is not UNSET and frame.prompt_position is not UNSET:
-            self.prompt_rows = frame.prompt_position + len(frame.prompt_log_probs)
-        if self.seq == 0 and self.legs == 1:
-            self.attempt = frame.attempt
+        if self.legs == 1:  # the first leg's frames are the caller's as they are
+            if self.seq == 0:
+                self.attempt = frame.attempt
+            if frame.prompt_log_probs is not UNSET and frame.prompt_position is not UNSET:
+                self.prompt_rows = frame.prompt_position + len(frame.prompt_log_probs)
+            self.tokens += frame.token_ids
+            self.seq += 1
+            return frame
+        frame = self._trim_prompt_rows(frame)
+        if (
+            not frame.token_ids
+            and frame.finish_reason is None
+            and frame.prompt_log_probs is UNSET
+            and frame.error is UNSET
+        ):
+            return None
         self.tokens += frame.token_ids
         frame.seq, frame.attempt = self.seq, self.attempt
         self.seq += 1
