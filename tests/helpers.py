@@ -506,23 +506,30 @@ def check_continued(want: Completion, prompt_len: int, frames: list[ResponseFram
 async def run_in_slices(
     group: int,
     done: Callable[[], bool],
+    progress: Callable[[], int],
     *,
     slice_s: float = 0.2,
-    settle_s: float = 0.25,
+    quiet_s: float = 0.3,
     within: float = 120.0,
 ) -> None:
     """Lets a stopped process group (a worker started with `own_session`, SIGSTOPped) run in
     slices of `slice_s` (the tiny model makes about 20 tokens a stream in one) until `done()`
-    holds, checked while it is stopped and after what it sent has had `settle_s` to arrive;
-    leaves it stopped. So a test can kill a worker in the middle of its streams however fast the
-    worker and however slow the test's reading (a tiny model on a busy host ends 64 streams of
-    300 tokens before a starved reader has seen their first)."""
+    holds; leaves it stopped. `done()` is asked while the group is stopped and once the test has
+    read all it sent: `progress()` (e.g. tokens read so far) stayed the same for `quiet_s`. So a
+    test can kill a worker in the middle of its streams however fast the worker and however
+    slow the test's reading (on a busy host, a tiny model ended 64 streams of 300 tokens before
+    a starved reader had seen their first tokens)."""
     deadline = time.monotonic() + within
     while True:
         os.killpg(group, signal.SIGCONT)
         await asyncio.sleep(slice_s)
         os.killpg(group, signal.SIGSTOP)
-        await asyncio.sleep(settle_s)
+        seen = progress()
+        while True:
+            await asyncio.sleep(quiet_s)
+            if progress() == seen:
+                break
+            seen = progress()
         if done():
             return
         assert time.monotonic() < deadline, f"not done after {within} s of slices"

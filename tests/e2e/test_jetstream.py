@@ -95,6 +95,8 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
     )
     lines: list[str] = []
     family: list[psutil.Process] = []
+    tasks: list[asyncio.Task[list[ResponseFrame]]] = []
+    users: list[asyncio.Task[list[ResponseFrame]]] = []
     try:
         await read_until(proc.stdout, r"vllm-nats-worker ready: .* \(jetstream\)", lines, 300)
         rest = asyncio.create_task(collect(proc.stdout, lines))
@@ -154,11 +156,18 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
                     await killed.wait()
             return frames
 
-        # The worker runs in slices from here, so that every stream is mid-flight when it dies.
-        os.killpg(proc.pid, signal.SIGSTOP)
         tasks = [asyncio.create_task(one(i)) for i in range(RAW)]
         users = [asyncio.create_task(user(i)) for i in range(USERS)]
-        await run_in_slices(proc.pid, lambda: first_frames.is_set() and all_heard.is_set())
+        # Once the worker has taken every request, it runs in slices, so that every stream is
+        # mid-flight when it dies (its pulls, stopped and continued, would take them in bursts).
+        while (await stream_state(client, subjects, settings))[1].num_ack_pending < RAW + USERS:
+            await asyncio.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        await run_in_slices(
+            proc.pid,
+            lambda: first_frames.is_set() and all_heard.is_set(),
+            lambda: sum(received) + sum(len(attempts) for attempts in seen.values()),
+        )
         # The host dies mid-generation (nothing acked): stopped, the stream shows what it had
         # acked at the moment of death; then the main process alone is killed, and its reaper
         # (own session, not stopped) kills vLLM's engine processes, which have no parent-death
@@ -205,6 +214,8 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         for nc in user_clients:
             await nc.close()
     finally:
+        for task in (*tasks, *users):  # a failed run leaves no reader in the session's loop
+            task.cancel()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
