@@ -533,3 +533,32 @@ async def run_in_slices(
         if done():
             return
         assert time.monotonic() < deadline, f"not done after {within} s of slices"
+
+
+class Streams:
+    """Many streams read at once, as a load test reads them: the tokens each received, when each
+    frame came, and `started` once every stream has `at_least` tokens."""
+
+    def __init__(self, count: int, at_least: int = 1) -> None:
+        self.received = [0] * count
+        self.arrivals: list[list[float]] = [[] for _ in range(count)]
+        self.at_least = at_least
+        self.started = asyncio.Event()
+
+    async def read(self, i: int, frames: AsyncIterator[ResponseFrame]) -> list[ResponseFrame]:
+        """Stream `i` to its end."""
+        kept = []
+        async for frame in frames:
+            kept.append(frame)
+            self.arrivals[i].append(time.monotonic())
+            self.received[i] += len(frame.token_ids)
+            if min(self.received) >= self.at_least:
+                self.started.set()
+        return kept
+
+    def stalls(self, since: float) -> list[float]:
+        """Each stream's longest wait between two frames after `since` (0 where none)."""
+        return [
+            max((b - a for a, b in zip(times, times[1:], strict=False) if b > since), default=0.0)
+            for times in self.arrivals
+        ]

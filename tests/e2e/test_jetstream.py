@@ -15,6 +15,7 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Awaitable
 
 import nats
 import psutil
@@ -25,6 +26,7 @@ from messages.subjects import Subjects
 from tests.e2e.conftest import MIGRATED_STREAMS, MIGRATED_TOKENS, migrated_request
 from tests.helpers import (
     REAPER,
+    Streams,
     check_continued,
     collect,
     kill_all,
@@ -106,25 +108,16 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         assert len(reapers) == 1 and cores, [process_text(p) for p in family]
         seen: dict[str, list[int]] = {}
         first_frames = asyncio.Event()
-        received = [0] * USERS
         user_clients = [await nats.connect(nats_server.url) for _ in range(4)]
-        all_heard = asyncio.Event()
-        arrivals: list[list[float]] = [[] for _ in range(USERS)]
+        streams = Streams(USERS, at_least=4)
 
-        async def user(i: int) -> list[ResponseFrame]:
-            frames = []
-            nc = user_clients[i % 4]
+        def user(i: int) -> Awaitable[list[ResponseFrame]]:
             request = migrated_request(i, f"user-{i}")
             # The redelivery at ack_wait (3 s) tells these streams of the loss; a long silence
             # timeout keeps a niced worker starved on a busy CI host from being taken for dead.
+            nc = user_clients[i % 4]
             stream = jetstream_stream(nc, request, subjects=subjects, silence_timeout=20.0)
-            async for frame in stream:
-                frames.append(frame)
-                arrivals[i].append(time.monotonic())
-                received[i] += len(frame.token_ids)
-                if min(received) >= 4:
-                    all_heard.set()
-            return frames
+            return streams.read(i, stream)
 
         killed = asyncio.Event()
         ends: list[tuple] = []  # (request_id, attempt, index, finish_reason): a failure's message
@@ -156,17 +149,22 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
                     await killed.wait()
             return frames
 
+        # Every request is queued while the worker is stopped, so that it takes them all at
+        # once (a starved test publishes slowly, and the first would end before the last came);
+        # then it runs in slices, so that every stream is mid-flight when it dies.
+        os.killpg(proc.pid, signal.SIGSTOP)
         tasks = [asyncio.create_task(one(i)) for i in range(RAW)]
         users = [asyncio.create_task(user(i)) for i in range(USERS)]
-        # Once the worker has taken every request, it runs in slices, so that every stream is
-        # mid-flight when it dies (its pulls, stopped and continued, would take them in bursts).
+        while (await stream_state(client, subjects, settings))[0].messages < RAW + USERS:
+            await asyncio.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGCONT)
         while (await stream_state(client, subjects, settings))[1].num_ack_pending < RAW + USERS:
             await asyncio.sleep(0.02)
         os.killpg(proc.pid, signal.SIGSTOP)
         await run_in_slices(
             proc.pid,
-            lambda: first_frames.is_set() and all_heard.is_set(),
-            lambda: sum(received) + sum(len(attempts) for attempts in seen.values()),
+            lambda: first_frames.is_set() and streams.started.is_set(),
+            lambda: sum(streams.received) + sum(len(attempts) for attempts in seen.values()),
         )
         # The host dies mid-generation (nothing acked): stopped, the stream shows what it had
         # acked at the moment of death; then the main process alone is killed, and its reaper
@@ -178,7 +176,7 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         killed_at = time.monotonic()
         killed.set()
         assert consumer.num_ack_pending == RAW + USERS, "a stream ended before the kill"
-        assert max(received) < MIGRATED_TOKENS
+        assert max(streams.received) < MIGRATED_TOKENS
         left = await asyncio.to_thread(wait_gone, family, 15)
         assert left == [], [process_text(p) for p in left]
         await asyncio.wait_for(rest, 15)  # every holder of the worker's stdout is gone
@@ -190,10 +188,7 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
         for i, frames in enumerate(continued):
             assert {f.attempt for f in frames} == {1}
             check_continued(undisturbed[i], len(migrated_request(i).token_ids), frames)
-        stalls = [
-            max(b - a for a, b in zip(times, times[1:], strict=False) if b > killed_at)
-            for times in arrivals
-        ]
+        stalls = streams.stalls(killed_at)
         p50, p99 = statistics.median(stalls), statistics.quantiles(stalls, n=100)[98]
         print(f"\njetstream: {USERS} streams continued; stall at the seam p50 {p50:.2f} s, "
               f"p99 {p99:.2f} s")  # fmt: skip

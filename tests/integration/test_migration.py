@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import nats
@@ -25,7 +25,7 @@ import pytest
 
 from messages.frames import ResponseFrame
 from messages.subjects import Subjects
-from tests.helpers import settled_state
+from tests.helpers import Streams, settled_state
 from tests.integration.conftest import paced, queue_settings
 from worker.client import RequestError, generate, jetstream_stream
 from worker.client.requests import make_request
@@ -122,25 +122,19 @@ async def test_a_sigkilled_worker_s_streams_continue_on_the_other(
     doomed = await worker_process("migrate")
     await fake_worker(subjects, **HEARTBEAT)
     clients = [await nats.connect(nats_server.url) for _ in range(2)]
-    started = asyncio.Event()
-    received = [0] * 16
+    streams = Streams(16)
 
-    async def one(i: int) -> list[ResponseFrame]:
+    def one(i: int) -> Awaitable[list[ResponseFrame]]:
         request = make_request(f"m-{i}", prompt_of(i), max_tokens=TOKENS, logprobs=5)
-        frames = []
-        async for frame in generate(
-            clients[i % 2], request, subject=subjects.generate, silence_timeout=SILENCE_S
-        ):
-            frames.append(frame)
-            received[i] += len(frame.token_ids)
-            if all(received):
-                started.set()
-        return frames
+        nc = clients[i % 2]
+        return streams.read(
+            i, generate(nc, request, subject=subjects.generate, silence_timeout=SILENCE_S)
+        )
 
     try:
         tasks = [asyncio.create_task(one(i)) for i in range(16)]
-        await asyncio.wait_for(started.wait(), 30)
-        assert max(received) < TOKENS // 2  # every stream is mid-flight at the kill
+        await asyncio.wait_for(streams.started.wait(), 30)
+        assert max(streams.received) < TOKENS // 2  # every stream is mid-flight at the kill
         doomed.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
@@ -184,21 +178,14 @@ async def test_a_drain_that_times_out_hands_its_streams_to_another_worker(
     subjects = Subjects("handover", "vllm", "generate")
     draining = await fake_worker(subjects, drain_timeout_s=0.3, **HEARTBEAT)
     await fake_worker(subjects, **HEARTBEAT)
-    received = [0] * 8
-    started = asyncio.Event()
+    streams = Streams(8)
 
-    async def one(i: int) -> list[ResponseFrame]:
+    def one(i: int) -> Awaitable[list[ResponseFrame]]:
         request = make_request(f"h-{i}", prompt_of(i), max_tokens=TOKENS, logprobs=5)
-        frames = []
-        async for frame in generate(client, request, subject=subjects.generate):
-            frames.append(frame)
-            received[i] += len(frame.token_ids)
-            if all(received):
-                started.set()
-        return frames
+        return streams.read(i, generate(client, request, subject=subjects.generate))
 
     tasks = [asyncio.create_task(one(i)) for i in range(8)]
-    await asyncio.wait_for(started.wait(), 30)
+    await asyncio.wait_for(streams.started.wait(), 30)
     await draining.stop()
     results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     for i, frames in enumerate(results):
@@ -248,24 +235,18 @@ async def test_jetstream_a_sigkilled_worker_s_streams_continue_without_a_restart
     settings = JetStreamSettings(ack_wait_s=3.0)
     doomed = await worker_process(namespace, "jetstream", ack_wait=3.0)
     clients = [await nats.connect(nats_server.url) for _ in range(2)]
-    received = [0] * 8
-    started = asyncio.Event()
+    streams = Streams(8)
 
-    async def one(i: int) -> list[ResponseFrame]:
+    def one(i: int) -> Awaitable[list[ResponseFrame]]:
         request = make_request(f"j-{i}", prompt_of(i), max_tokens=TOKENS, logprobs=5)
-        frames = []
-        async for frame in jetstream_stream(
-            clients[i % 2], request, subjects=subjects, silence_timeout=SILENCE_S
-        ):
-            frames.append(frame)
-            received[i] += len(frame.token_ids)
-            if all(received):
-                started.set()
-        return frames
+        nc = clients[i % 2]
+        return streams.read(
+            i, jetstream_stream(nc, request, subjects=subjects, silence_timeout=SILENCE_S)
+        )
 
     try:
         tasks = [asyncio.create_task(one(i)) for i in range(8)]
-        await asyncio.wait_for(started.wait(), 30)
+        await asyncio.wait_for(streams.started.wait(), 30)
         engine = paced()
         await fake_worker(subjects, engine, **queue_settings(settings, 16), **HEARTBEAT)
         os.kill(doomed.pid, signal.SIGKILL)
