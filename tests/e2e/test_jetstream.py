@@ -42,6 +42,7 @@ from tests.helpers import (
 from worker.client import jetstream_generate, jetstream_stream
 from worker.client.requests import make_request
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
+from worker.nats.intake.jetstream import ensure_stream_and_consumer
 from worker.nats.runtime import WorkerRuntime, open_worker
 
 PROMPT = [1, 300, 301, 302]
@@ -82,30 +83,13 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
     attempt 1 throughout."""
     subjects = Subjects("jsk", "vllm", "generate")
     settings = JetStreamSettings(ack_wait_s=3.0)
-    proc = await start_cli_worker(
-        nats_server.url,
-        tiny_model,
-        "--mode",
-        "jetstream",
-        "--namespace",
-        "jsk",
-        "--js-ack-wait",
-        "3",
-        "--max-concurrency",
-        str(RAW + USERS),
-        own_session=True,  # its own process group: the worker and vLLM's engine process
-    )
+    await ensure_stream_and_consumer(client.jetstream(), subjects, settings)
+    proc: asyncio.subprocess.Process | None = None
     lines: list[str] = []
     family: list[psutil.Process] = []
     tasks: list[asyncio.Task[list[ResponseFrame]]] = []
     users: list[asyncio.Task[list[ResponseFrame]]] = []
     try:
-        await read_until(proc.stdout, r"vllm-nats-worker ready: .* \(jetstream\)", lines, 300)
-        rest = asyncio.create_task(collect(proc.stdout, lines))
-        family = psutil.Process(proc.pid).children(recursive=True)
-        cores = [p for p in family if "EngineCore" in process_text(p)]
-        reapers = [p for p in family if "worker.engine.reaper" in process_text(p)]
-        assert len(reapers) == 1 and cores, [process_text(p) for p in family]
         seen: dict[str, list[int]] = {}
         first_frames = asyncio.Event()
         user_clients = [await nats.connect(nats_server.url) for _ in range(4)]
@@ -134,7 +118,9 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
                 logprobs=5,
             )
             frames = []
-            async for frame in jetstream_generate(client, request, subjects=subjects, timeout=60):
+            # Queued before the worker starts: the first frame waits for its engine to load.
+            generated = jetstream_generate(client, request, subjects=subjects, timeout=300)
+            async for frame in generated:
                 if frame.attempt not in seen.setdefault(request_id, []):
                     seen[request_id].append(frame.attempt)
                     frames = []  # the new attempt replaces what the old one sent
@@ -149,16 +135,38 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
                     await killed.wait()
             return frames
 
-        # Every request is queued while the worker is stopped, so that it takes them all at
-        # once (a starved test publishes slowly, and the first would end before the last came);
-        # then it runs in slices, so that every stream is mid-flight when it dies.
-        os.killpg(proc.pid, signal.SIGSTOP)
+        # Every request is queued before the worker starts, so that it takes them all in its
+        # first pull (a starved test publishes slowly, and on a running worker the first would
+        # end before the last came); then it runs in slices, so that every stream is mid-flight
+        # when it dies.
         tasks = [asyncio.create_task(one(i)) for i in range(RAW)]
         users = [asyncio.create_task(user(i)) for i in range(USERS)]
         while (await stream_state(client, subjects, settings))[0].messages < RAW + USERS:
             await asyncio.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGCONT)
-        while (await stream_state(client, subjects, settings))[1].num_ack_pending < RAW + USERS:
+        proc = await start_cli_worker(
+            nats_server.url,
+            tiny_model,
+            "--mode",
+            "jetstream",
+            "--namespace",
+            "jsk",
+            "--js-ack-wait",
+            "3",
+            "--max-concurrency",
+            str(RAW + USERS),
+            own_session=True,  # its own process group: the worker and vLLM's engine process
+        )
+        await read_until(proc.stdout, r"vllm-nats-worker ready: .* \(jetstream\)", lines, 300)
+        rest = asyncio.create_task(collect(proc.stdout, lines))
+        family = psutil.Process(proc.pid).children(recursive=True)
+        cores = [p for p in family if "EngineCore" in process_text(p)]
+        reapers = [p for p in family if "worker.engine.reaper" in process_text(p)]
+        assert len(reapers) == 1 and cores, [process_text(p) for p in family]
+        consumer_seq = 0
+        while consumer_seq < RAW + USERS:
+            consumer_seq = (await stream_state(client, subjects, settings))[
+                1
+            ].delivered.consumer_seq
             await asyncio.sleep(0.02)
         os.killpg(proc.pid, signal.SIGSTOP)
         await run_in_slices(
@@ -211,9 +219,10 @@ async def test_sigkilled_worker_requests_complete_on_the_survivor(
     finally:
         for task in (*tasks, *users):  # a failed run leaves no reader in the session's loop
             task.cancel()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
         kill_all(family)  # the reaper runs in its own session
 
 
