@@ -1,6 +1,5 @@
-"""Fixtures of the e2e layer's migration tests (tests/e2e/test_migration.py and the JetStream
-SIGKILL test of tests/e2e/test_jetstream.py): one undisturbed run of their 64 streams, made once
-on the session's engine."""
+"""Fixtures of the e2e layer's migration tests (tests/e2e/test_migration.py): one undisturbed run
+of their 64 streams, made once on the session's engine."""
 
 from __future__ import annotations
 

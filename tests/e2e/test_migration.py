@@ -5,8 +5,7 @@ The survivor is an in-process worker on the session's engine, started just befor
 The library's defaults are used (heartbeats every 1 s, a 5 s silence timeout, 3 migrations).
 
 The transport-level variants (drain handover, slow prefill, no worker left, JetStream mode on the
-fake engine): tests/integration/test_migration.py. JetStream mode on the real engine:
-tests/e2e/test_jetstream.py."""
+fake engine): tests/integration/test_migration.py."""
 
 from __future__ import annotations
 
