@@ -323,7 +323,16 @@ worker's last line."""
 
 
 def last_worker_line(lines: list[str]) -> str:
-    return [line for line in lines if not line.startswith(REAPER)][-1].strip()
+    """The worker's own last line: not its reaper's, nor multiprocessing's resource tracker's
+    (a separate process that reports, after the worker exited, shared memory a killed engine
+    process leaked; a known issue of --worker-processes shutdown, see the closing note)."""
+    tracker = ("resource_tracker", "warnings.warn(")
+    own = [
+        line
+        for line in lines
+        if not line.startswith(REAPER) and not any(mark in line for mark in tracker)
+    ]
+    return own[-1].strip()
 
 
 # --- processes ------------------------------------------------------------------------------
