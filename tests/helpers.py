@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -371,6 +371,17 @@ def process_text(process: psutil.Process) -> str:
         return ""
 
 
+def engine_processes(parent: int) -> list[int]:
+    """The pids of vLLM's engine core under `parent` and of the processes it started (its model
+    executor's worker): what runs the model, apart from the worker that feeds it."""
+    cores = [
+        p
+        for p in psutil.Process(parent).children(recursive=True)
+        if "EngineCore" in process_text(p)
+    ]
+    return [p.pid for core in cores for p in (core, *core.children(recursive=True))]
+
+
 def get_health(port: int) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
@@ -513,7 +524,7 @@ def check_continued(want: Completion, prompt_len: int, frames: list[ResponseFram
 
 
 async def run_in_slices(
-    group: int,
+    target: int | Sequence[int],
     done: Callable[[], bool],
     progress: Callable[[], int],
     *,
@@ -521,18 +532,27 @@ async def run_in_slices(
     quiet_s: float = 0.3,
     within: float = 120.0,
 ) -> None:
-    """Lets a stopped process group (a worker started with `own_session`, SIGSTOPped) run in
-    slices of `slice_s` (the tiny model makes about 20 tokens a stream in one) until `done()`
-    holds; leaves it stopped. `done()` is asked while the group is stopped and once the test has
-    read all it sent: `progress()` (e.g. tokens read so far) stayed the same for `quiet_s`. So a
-    test can kill a worker in the middle of its streams however fast the worker and however
-    slow the test's reading (on a busy host, a tiny model ended 64 streams of 300 tokens before
-    a starved reader had seen their first tokens)."""
+    """Lets stopped processes run in slices of `slice_s` (the tiny model makes about 20 tokens a
+    stream in one) until `done()` holds; leaves them stopped. `target`: a process group (a
+    worker started with `own_session`, SIGSTOPped), or the pids of some processes (its engine's,
+    `engine_processes`: the worker itself runs on). `done()` is asked while they are stopped and
+    once the test has read all they sent: `progress()` (e.g. tokens read so far) stayed the
+    same for `quiet_s`. So a test can kill a worker in the middle of its streams however fast
+    the worker and however slow the test's reading (on a busy host, a tiny model ended 64
+    streams of 300 tokens before a starved reader had seen their first tokens)."""
+
+    def send(sig: signal.Signals) -> None:
+        if isinstance(target, int):
+            os.killpg(target, sig)
+        else:
+            for pid in target:
+                os.kill(pid, sig)
+
     deadline = time.monotonic() + within
     while True:
-        os.killpg(group, signal.SIGCONT)
+        send(signal.SIGCONT)
         await asyncio.sleep(slice_s)
-        os.killpg(group, signal.SIGSTOP)
+        send(signal.SIGSTOP)
         seen = progress()
         while True:
             await asyncio.sleep(quiet_s)

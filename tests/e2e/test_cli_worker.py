@@ -1,13 +1,20 @@
 """One production worker started by its CLI, as a user starts it (`python -m worker` with vLLM
 engine arguments and a metrics port), on the real CPU engine: what it takes from vLLM's
-arguments, what an operator sees (the stats line, /health, one log format), and SIGTERM with a
-request in flight (drain, exit 0, the last line). The module's tests share the one process (an
-engine start is ~30 s here) and run in file order: the last one stops it."""
+arguments (`--stream-interval` among them), what an operator sees (the stats line, /health, one
+log format), and its engine's death with a request in flight (answered, exit 1). The module's
+tests share the one process (an engine start is ~40 CPU-seconds here) and run in file order: the
+last one ends it. SIGTERM's drain and exit 0 are shown on the --worker-processes worker
+(tests/e2e/test_scaleout.py).
+
+CI runs the module beside the integration layer (second_session): its frames coalesced by
+`--stream-interval` are compared with those of that process's session engine."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,23 +22,26 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import pytest
-from nats.aio.client import Client as NATS
 
 from messages.codec import MSGPACK
 from messages.frames import ResponseFrame
 from messages.subjects import Subjects
 from tests.helpers import (
     STATS_LINE,
+    TEST_SUBJECTS,
+    check_row,
     collect,
     discover,
     exchange,
     get_health,
     kill_if_running,
     last_worker_line,
+    process_text,
     ready_metrics_port,
+    run_in_slices,
     scrape,
-    sigterm_mid_stream,
     start_cli_worker,
     stats_env,
 )
@@ -39,12 +49,13 @@ from worker.client import complete, generate
 from worker.client.requests import make_request
 from worker.dev.embedded import NatsServer
 
-pytestmark = pytest.mark.own_engine
+pytestmark = pytest.mark.second_session
 
 PROMPT = [1, 300, 301, 302]
 SUBJECTS = Subjects("cli", "vllm", "generate")
 MAX_MODEL_LEN = 256
 MAX_LOGPROBS = 7
+INTERVAL = 4
 # vLLM's text format (after an optional "(process pid=N) " field): level, date, [file:line].
 LOG_PREFIX = (
     r"(?:\(\S+ pid=\d+\) )?(INFO|WARNING|ERROR|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d \[\S+:\d+\] "
@@ -81,7 +92,12 @@ async def cli_worker(nats_server: NatsServer, tiny_model: Path) -> AsyncIterator
         "0",
         "--metrics-host",
         "127.0.0.1",
+        "--stream-interval",
+        str(INTERVAL),
+        "--health-interval",
+        "1",
         env=stats_env("1"),
+        own_session=True,  # its process group: the engine-death test runs it in slices
     )
     lines: list[str] = []
     output = None
@@ -93,11 +109,6 @@ async def cli_worker(nats_server: NatsServer, tiny_model: Path) -> AsyncIterator
         await kill_if_running(proc)
         if output is not None:
             await asyncio.wait_for(output, 30)
-
-
-async def _frames(nc: NATS, subject: str, request: Any) -> AsyncIterator[ResponseFrame]:
-    async for frame in generate(nc, request, subject=subject):
-        yield frame
 
 
 async def test_the_cli_worker_takes_vllms_engine_arguments(
@@ -146,39 +157,87 @@ async def test_health_and_the_stats_line_while_it_serves(cli_worker: CliWorker, 
         await asyncio.sleep(0.2)
 
 
-async def test_sigterm_drains_a_request_in_flight_and_exits_0_with_its_last_line(
+async def test_stream_interval_coalesces_frames_and_keeps_logprobs_aligned(
+    cli_worker: CliWorker, client, worker, engine
+) -> None:
+    """vLLM's own `--stream-interval N` (an engine argument the CLI passes through) makes the
+    worker send a request's tokens N at a time, first token at once, with every frame's logprobs
+    still aligned and the same tokens and values as one frame per step (the session's worker)."""
+    tokens = 25
+    request = make_request("interval-1", [1, 40, 41, 42, 43, 44], max_tokens=tokens, logprobs=5)
+    coalesced = [
+        MSGPACK.decode_frame(data)
+        for data in await exchange(client, SUBJECTS.generate, MSGPACK.encode(request))
+    ]
+    stepwise = [
+        MSGPACK.decode_frame(data)
+        for data in await exchange(client, TEST_SUBJECTS.generate, MSGPACK.encode(request))
+    ]
+    sizes = [len(f.token_ids) for f in coalesced]
+    # First token at once (TTFT unchanged), then INTERVAL per frame: 25 = 1 + 6 x 4. A worker
+    # that lags merges a request's pending outputs (both workers do, by design), so under load a
+    # frame may carry two intervals, never a part of one.
+    assert sizes[0] == 1 and sum(sizes) == tokens, sizes
+    assert all(size % INTERVAL == 0 for size in sizes[1:]), sizes
+    assert len(stepwise) > len(coalesced)
+    assert [f.seq for f in coalesced] == list(range(len(coalesced)))
+    assert [f.finish_reason for f in coalesced] == [None] * (len(coalesced) - 1) + ["length"]
+    for frame in coalesced:
+        assert len(frame.log_probs) == len(frame.top_logprobs) == len(frame.token_ids)
+        for token_id, logprob, row in zip(
+            frame.token_ids, frame.log_probs, frame.top_logprobs, strict=True
+        ):
+            check_row(row, token_id, logprob, 5, engine.table)
+
+    def flat(frames: list[ResponseFrame], field: str) -> list[Any]:
+        return [v for f in frames for v in getattr(f, field)]
+
+    assert flat(coalesced, "token_ids") == flat(stepwise, "token_ids")
+    for a, b in zip(flat(coalesced, "log_probs"), flat(stepwise, "log_probs"), strict=True):
+        assert abs(a - b) < 1e-4
+    ids = [[e.token_id for e in row] for row in flat(coalesced, "top_logprobs")]
+    assert ids == [[e.token_id for e in row] for row in flat(stepwise, "top_logprobs")]
+    assert coalesced[-1].completion_usage == stepwise[-1].completion_usage
+
+
+async def test_engine_death_answers_in_flight_and_exits_non_zero(
     cli_worker: CliWorker, client
 ) -> None:
-    """The module's last test: it stops the worker."""
-    proc, port = cli_worker.proc, cli_worker.metrics_port
-    seen_draining: list[dict[str, Any]] = []
+    """The module's last test: it kills the worker's engine. The request in flight gets a
+    retryable `engine_error` (migration off, so the test sees the worker's own frame) and the
+    worker exits 1 with its last line."""
+    proc = cli_worker.proc
+    frames: list[ResponseFrame] = []
+    request = make_request("crash-1", PROMPT, max_tokens=250)
 
-    async def watch_health() -> None:
-        while proc.returncode is None:
-            try:
-                code, body = await asyncio.to_thread(get_health, port)
-            except OSError:
-                return  # the port closed: the worker is gone
-            if code == 503 and body["status"] == "draining":
-                seen_draining.append(body)
-                return
-            await asyncio.sleep(0.05)
+    async def in_flight() -> None:
+        async for frame in generate(client, request, subject=SUBJECTS.generate, migration_limit=0):
+            frames.append(frame)
 
-    # /health says draining (503) from the signal until the worker exits.
-    long = make_request("cli-long", PROMPT, max_tokens=200)
-    watcher = asyncio.create_task(watch_health())
-    frames = await sigterm_mid_stream(proc, _frames(client, SUBJECTS.generate, long))
-    await asyncio.wait_for(watcher, 30)
-    assert frames[-1].finish_reason == "length"
-    assert sum(len(f.token_ids) for f in frames) == 200
-    assert seen_draining and seen_draining[0]["draining"] is True
-    assert await asyncio.wait_for(proc.wait(), 60) == 0
+    # The worker runs in slices until this test has read a first frame, and its engine dies
+    # while the worker is stopped: the request is mid-stream however slow the host.
+    os.killpg(proc.pid, signal.SIGSTOP)
+    reading = asyncio.create_task(in_flight())
+    await run_in_slices(proc.pid, done=lambda: bool(frames), progress=lambda: len(frames))
+    family = psutil.Process(proc.pid).children(recursive=True)
+    cores = [p for p in family if "EngineCore" in process_text(p)]
+    assert cores, [process_text(p) for p in family]
+    for core in cores:
+        core.kill()
+    os.killpg(proc.pid, signal.SIGCONT)
+    await asyncio.wait_for(reading, 60)
+    final = frames[-1]
+    assert final.finish_reason == "error" and final.error is not None
+    assert final.error.code == "engine_error"
+    assert sum(len(f.token_ids) for f in frames) < 250
+    assert await asyncio.wait_for(proc.wait(), 60) == 1
     await asyncio.wait_for(cli_worker.reader, 30)  # every line, up to the last
     lines, output = cli_worker.lines, cli_worker.output
+    assert "engine is dead: answering in-flight requests and exiting" in output
+    assert last_worker_line(lines) == "vllm-nats-worker stopped (exit 1)"
     assert "request cli-1 length tokens=5" in output  # one log line per request outcome
     assert "request cli-2 invalid_request" in output
     assert "Passing raw prompts" not in output
-    assert last_worker_line(lines) == "vllm-nats-worker stopped (exit 0)"
     # The worker's own log lines have vLLM's format, as vLLM's stats line has.
     worker_line = next(line for line in lines if "request obs-1 length tokens=64" in line)
     stats_line = next(line for line in lines if re.search(STATS_LINE, line))

@@ -3,6 +3,7 @@ while 64 streams from 4 clients (300 greedy tokens, logprobs 5) are mid-flight o
 stream ends with `length` and is token for token, and logprob for logprob, an undisturbed run's.
 The survivor is an in-process worker on the session's engine, started just before the kill.
 The library's defaults are used (heartbeats every 1 s, a 5 s silence timeout, 3 migrations).
+The same in JetStream mode, where the publisher owns the continuation.
 
 The transport-level variants (drain handover, slow prefill, no worker left, JetStream mode on the
 fake engine): tests/integration/test_migration.py."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import statistics
@@ -27,13 +29,17 @@ from tests.helpers import (
     Streams,
     check_continued,
     collect,
+    engine_processes,
     read_until,
+    ready_metrics_port,
     run_in_slices,
+    scrape,
     serving,
     start_cli_worker,
+    stream_state,
 )
-from worker.client import generate
-from worker.config import NatsConfig, WorkerConfig
+from worker.client import generate, jetstream_stream
+from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.nats.runtime import open_worker
 
 STREAMS, TOKENS, CLIENTS = MIGRATED_STREAMS, MIGRATED_TOKENS, 4
@@ -82,6 +88,101 @@ async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
         print(f"\nmigrated {len(stalls)}/{STREAMS} streams; stall at the seam p50 {p50:.2f} s, "
               f"p99 {p99:.2f} s")  # fmt: skip
         assert p99 < 5.0 + 10.0  # the silence timeout, then the survivor's next step
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        if survivor is not None:
+            await survivor.stop()
+        for nc in clients:
+            await nc.close()
+
+
+async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_none(
+    engine, nats_server, tiny_model, undisturbed
+) -> None:
+    """JetStream mode: the same 64 streams, as `jetstream_stream` publishers (the publisher owns
+    the continuation), queued for a CLI worker that is SIGKILLed with every stream mid-flight.
+    Each continues on the survivor as a new queue message after the tokens it had, attempt 1
+    throughout (no stream restarts from token 0); the killed worker's messages, redelivered at
+    `ack_wait`, find nobody listening and are terminated, so the queue ends empty."""
+    subjects = Subjects("jsmigrate", "vllm", "generate")
+    settings = JetStreamSettings(ack_wait_s=8.0)
+    proc = await start_cli_worker(
+        nats_server.url,
+        tiny_model,
+        "--mode",
+        "jetstream",
+        "--namespace",
+        "jsmigrate",
+        "--js-ack-wait",
+        "8",
+        "--max-concurrency",
+        str(STREAMS),
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        own_session=True,
+    )
+    lines: list[str] = []
+    clients = [await nats.connect(nats_server.url) for _ in range(CLIENTS)]
+    survivor = None
+    tasks: list[asyncio.Task[list[ResponseFrame]]] = []
+    try:
+        port = await ready_metrics_port(proc, lines)
+        rest = asyncio.create_task(collect(proc.stdout, lines))
+        streams = Streams(STREAMS, at_least=4)
+        in_flight = f"nats_worker_in_flight_requests{{model_name={tiny_model}}}"
+
+        def one(i: int) -> Awaitable[list[ResponseFrame]]:
+            stream = jetstream_stream(clients[i % CLIENTS], migrated_request(i), subjects=subjects)
+            return streams.read(i, stream)
+
+        # The engine is stopped while the worker, running on, takes every stream from the queue
+        # (its pulls may come back in pieces on a busy host); then the engine runs in slices,
+        # every stream in its batch, so that every stream is mid-flight when the host dies.
+        engine_pids = engine_processes(proc.pid)
+        for pid in engine_pids:
+            os.kill(pid, signal.SIGSTOP)
+        tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
+        while (await asyncio.to_thread(scrape, port)).get(in_flight, 0) < STREAMS:
+            await asyncio.sleep(0.05)
+        await run_in_slices(engine_pids, streams.started.is_set, lambda: sum(streams.received))
+        killed_at = time.monotonic()
+        assert max(streams.received) < TOKENS, "a stream ended before the kill"
+        _, consumer = await stream_state(clients[0], subjects, settings)
+        assert consumer.num_ack_pending == STREAMS
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole host: worker, engine core, reaper's kin
+        await proc.wait()
+        rest.cancel()
+        config = WorkerConfig(
+            nats=NatsConfig(servers=[nats_server.url]),
+            subjects=subjects,
+            max_concurrency=STREAMS,
+            jetstream=dataclasses.replace(settings, capacity=STREAMS),
+        )
+        survivor = await open_worker(engine, config)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+
+        for i, frames in enumerate(results):
+            assert {f.attempt for f in frames} == {1}, f"stream {i} restarted"
+            check_continued(undisturbed[i], len(migrated_request(i).token_ids), frames)
+        stalls = [stall for stall in streams.stalls(killed_at) if stall > 2.0]
+        assert len(stalls) == STREAMS
+        p50, p99 = statistics.median(stalls), statistics.quantiles(stalls, n=100)[98]
+        print(f"\nJetStream: migrated {len(stalls)}/{STREAMS} streams; stall at the seam p50 "
+              f"{p50:.2f} s, p99 {p99:.2f} s")  # fmt: skip
+        # The killed worker's 64 messages come back at ack_wait and are terminated.
+        deadline = time.monotonic() + settings.ack_wait_s + 30
+        while True:
+            state, consumer = await stream_state(clients[0], subjects, settings)
+            if state.messages == 0 and consumer.num_ack_pending == 0:
+                break
+            assert time.monotonic() < deadline, (state, consumer)
+            await asyncio.sleep(0.2)
     finally:
         for task in tasks:
             task.cancel()

@@ -15,18 +15,12 @@ import pytest
 from messages.subjects import SERVICE_NAME
 from tests.helpers import (
     ROOT,
-    STATS_LINE,
     TEST_SUBJECTS,
-    collect,
     discover,
     exchange,
-    kill_if_running,
     metrics_server,
-    read_until,
     run_client_cli,
     scrape,
-    start_cli_worker,
-    stats_env,
     subprocess_env,
 )
 from worker.cli import build_parser, engine_args
@@ -188,15 +182,6 @@ async def test_metrics_endpoint_shows_counters_and_histograms(
     assert samples[f"nats_worker_in_flight_requests{{{model}}}"] == 0
 
 
-async def _frames(nc, subject, request):
-    """The frames as the worker sends them: migration off, so a dying worker's error frames
-    reach the test instead of being continued elsewhere."""
-    from worker.client import generate
-
-    async for frame in generate(nc, request, subject=subject, migration_limit=0):
-        yield frame
-
-
 @pytest.mark.own_engine
 async def test_demo_runs_on_embedded_nats_and_default_model() -> None:
     proc = await asyncio.create_subprocess_exec(
@@ -216,65 +201,6 @@ async def test_demo_runs_on_embedded_nats_and_default_model() -> None:
     rows = re.findall(r"^\s*\d+\s+\d+\s+'.*'\s+[0-9a-f ]+\s+-?\d+\.\d{4}\s", text, re.MULTILINE)
     assert len(rows) == 16, text[-3000:]
     assert "finish_reason='length'" in text and "completion_tokens=16" in text
-
-
-@pytest.mark.own_engine
-async def test_engine_death_answers_in_flight_and_exits_non_zero(
-    nats_server, tiny_model, client
-) -> None:
-    import psutil
-
-    proc = await start_cli_worker(
-        nats_server.url,
-        tiny_model,
-        "--namespace",
-        "crash",
-        "--instance-id",
-        "crash1",
-        "--health-interval",
-        "1",
-        "--disable-log-stats",  # vLLM's engine argument, honoured as `vllm serve` does
-        env=stats_env("1"),
-    )
-    lines: list[str] = []
-    try:
-        await read_until(proc.stdout, r"vllm-nats-worker ready:", lines, 300)
-        rest = asyncio.create_task(collect(proc.stdout, lines))
-        served = await complete(
-            client, make_request("quiet-1", PROMPT, max_tokens=64), subject="crash.vllm.generate"
-        )
-        assert served.choices[0].finish_reason == "length"
-        await asyncio.sleep(4)  # four stats intervals: no stats line in any of them
-        assert "request quiet-1 length tokens=64" in "".join(lines)
-        assert not re.search(STATS_LINE, "".join(lines)), "".join(lines)
-        frames = []
-
-        async def long_request() -> None:
-            async for frame in _frames(
-                client, "crash.vllm.generate", make_request("crash-1", PROMPT, max_tokens=400)
-            ):
-                frames.append(frame)
-
-        in_flight = asyncio.create_task(long_request())
-        while not frames:
-            await asyncio.sleep(0.01)
-        engine_cores = [
-            p
-            for p in psutil.Process(proc.pid).children(recursive=True)
-            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())
-        ]
-        if not engine_cores:  # the engine core process may not be renamed: kill every child
-            engine_cores = psutil.Process(proc.pid).children(recursive=True)
-        for child in engine_cores:
-            child.kill()
-        await asyncio.wait_for(in_flight, 60)
-        final = frames[-1]
-        assert final.finish_reason == "error" and final.error.code == "engine_error"
-        assert await asyncio.wait_for(proc.wait(), 60) == 1
-        await rest
-        assert "engine is dead: answering in-flight requests and exiting" in "".join(lines)
-    finally:
-        await kill_if_running(proc)
 
 
 async def test_the_production_cli_requires_a_model_and_a_nats_url(capsys) -> None:

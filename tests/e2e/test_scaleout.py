@@ -16,14 +16,17 @@ import pytest
 
 from messages.subjects import SERVICE_NAME, Subjects
 from tests.helpers import (
+    STATS_LINE,
     collect,
     complete_all,
     get_health,
     last_worker_line,
     read_until,
+    run_in_slices,
     scrape,
     sigterm_mid_stream,
     start_cli_worker,
+    stats_env,
     until,
 )
 from worker.client import KvRouter, complete, discover_workers, generate
@@ -62,6 +65,8 @@ async def _start(nats_server, tiny_model, namespace: str, lines: list[str]):
         "0",
         "--metrics-host",
         "127.0.0.1",
+        "--disable-log-stats",  # vLLM's engine argument, honoured as `vllm serve` does
+        env=stats_env("1"),  # a stats line a second, were it not disabled
         own_session=True,
     )
     ready = 0
@@ -180,29 +185,56 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         # 16 to the queue group, mp-kv, 12 to the engine's subject
         assert samples[f"nats_worker_requests_total{{{outcome}}}"] == 29
 
-        # A cancel (the client leaving early) reaches whichever process serves the request: 8 x
-        # 500 tokens with logprobs, still running when the cancel comes, however late a loaded
-        # host lets this client read its first frame.
-        async for frame in generate(
+        # A cancel (the client leaving early) reaches whichever process serves the request. The
+        # worker runs in slices until this client has read a first token and sent its cancel,
+        # so the request (8 x 500 tokens with logprobs) is still running when the cancel comes,
+        # however late a loaded host lets this client read.
+        os.killpg(proc.pid, signal.SIGSTOP)
+        cancelled = generate(
             client,
             make_request("mp-cancel", PROMPT, max_tokens=500, n=8, temperature=1.0, logprobs=5),
             subject=subjects.generate,
-        ):
-            if frame.token_ids:
-                break
+        )
+
+        async def first_token() -> None:
+            async for frame in cancelled:
+                if frame.token_ids:
+                    return
+
+        first = asyncio.create_task(first_token())
+        await run_in_slices(proc.pid, done=first.done, progress=lambda: 0)
+        await cancelled.aclose()  # the cancel, published while the worker is stopped
+        os.killpg(proc.pid, signal.SIGCONT)
 
         # SIGTERM to the parent alone: every process drains (a request in flight finishes),
-        # then the worker exits 0.
+        # then the worker exits 0. /health says draining (503) from the signal until the exit.
+        seen_draining: list[dict] = []
+
+        async def watch_health() -> None:
+            while proc.returncode is None:
+                try:
+                    code, body = await asyncio.to_thread(get_health, port)
+                except OSError:
+                    return  # the port closed: the worker is gone
+                if code == 503 and body["status"] == "draining":
+                    seen_draining.append(body)
+                    return
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch_health())
         long = make_request("mp-long", PROMPT, max_tokens=200)
         frames = await sigterm_mid_stream(proc, generate(client, long, subject=subjects.generate))
+        await asyncio.wait_for(watcher, 30)
         assert frames[-1].finish_reason == "length"
         assert sum(len(f.token_ids) for f in frames) == 200
+        assert seen_draining and seen_draining[0]["draining"] is True
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         await output
         text = "".join(lines)
-        assert "request mp-cancel cancelled" in text
+        assert "request mp-cancel cancelled" in text, [line for line in lines if "mp-" in line]
         assert last_worker_line(lines) == "vllm-nats-worker stopped (exit 0)"
         assert text.count("stopping: draining") == 2
+        assert not re.search(STATS_LINE, text), "a stats line despite --disable-log-stats"
     finally:
         _kill_group(proc)
 
