@@ -17,7 +17,8 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import nats
 import pytest
@@ -30,7 +31,6 @@ from tests.helpers import (
     check_continued,
     collect,
     engine_processes,
-    read_until,
     ready_metrics_port,
     run_in_slices,
     scrape,
@@ -40,27 +40,80 @@ from tests.helpers import (
 )
 from worker.client import generate, jetstream_stream
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
-from worker.nats.runtime import open_worker
+from worker.nats.runtime import WorkerRuntime, open_worker
 
 STREAMS, TOKENS, CLIENTS = MIGRATED_STREAMS, MIGRATED_TOKENS, 4
 # CI runs the module beside the integration layer, on that pytest process's session engine (its
 # undisturbed run too): the jobs come out about even.
 pytestmark = pytest.mark.second_session
+METRICS = ("--metrics-port", "0", "--metrics-host", "127.0.0.1")
+
+
+def _report_stalls(streams: Streams, killed_at: float, mode: str) -> None:
+    """Every stream's worker was the one killed: each waited out the silence timeout, then the
+    survivor's next step. Prints the stall at the seam."""
+    stalls = [stall for stall in streams.stalls(killed_at) if stall > 2.0]
+    assert len(stalls) == STREAMS
+    p50, p99 = statistics.median(stalls), statistics.quantiles(stalls, n=100)[98]
+    print(f"\n{mode}migrated {len(stalls)}/{STREAMS} streams; stall at the seam p50 {p50:.2f} s, "
+          f"p99 {p99:.2f} s")  # fmt: skip
+    assert p99 < 5.0 + 10.0
+
+
+async def _clean_up(
+    tasks: list[asyncio.Task[list[ResponseFrame]]],
+    proc: asyncio.subprocess.Process,
+    survivor: WorkerRuntime | None,
+    clients: list[nats.NATS],
+) -> None:
+    for task in tasks:
+        task.cancel()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    await proc.wait()
+    if survivor is not None:
+        await survivor.stop()
+    for nc in clients:
+        await nc.close()
+
+
+async def _every_stream_mid_flight(
+    proc: asyncio.subprocess.Process,
+    port: int,
+    model: Path,
+    streams: Streams,
+    one: Callable[[int], Awaitable[list[ResponseFrame]]],
+    tasks: list[asyncio.Task[list[ResponseFrame]]],
+) -> None:
+    """Starts the 64 streams (into `tasks`) on the CLI worker `proc` and returns with every one
+    mid-flight and the worker's engine stopped. The engine is stopped while the worker, running
+    on, takes every stream (on a busy host its intake takes them in pieces, and with the whole
+    worker running in slices the first streams had ended before the last began); then the
+    engine runs in slices, every stream in its batch, until each has tokens."""
+    engine_pids = engine_processes(proc.pid)
+    for pid in engine_pids:
+        os.kill(pid, signal.SIGSTOP)
+    tasks += [asyncio.create_task(one(i)) for i in range(STREAMS)]
+    in_flight = f"nats_worker_in_flight_requests{{model_name={model}}}"
+    while (await asyncio.to_thread(scrape, port)).get(in_flight, 0) < STREAMS:
+        await asyncio.sleep(0.05)
+    await run_in_slices(engine_pids, streams.started.is_set, lambda: sum(streams.received))
+    assert max(streams.received) < TOKENS, "a stream ended before the kill"
 
 
 async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
     engine, nats_server, tiny_model, undisturbed
 ) -> None:
-    subjects = Subjects("migrate", "vllm", "generate")
+    subjects = Subjects("e2emigrate", "vllm", "generate")
     proc = await start_cli_worker(
-        nats_server.url, tiny_model, "--namespace", "migrate", own_session=True
+        nats_server.url, tiny_model, "--namespace", "e2emigrate", *METRICS, own_session=True
     )
     lines: list[str] = []
     clients = [await nats.connect(nats_server.url) for _ in range(CLIENTS)]
     survivor = None
     tasks: list[asyncio.Task[list[ResponseFrame]]] = []
     try:
-        await read_until(proc.stdout, r"vllm-nats-worker ready", lines, 300)
+        port = await ready_metrics_port(proc, lines)
         rest = asyncio.create_task(collect(proc.stdout, lines))
         streams = Streams(STREAMS, at_least=4)
 
@@ -68,12 +121,8 @@ async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
             nc = clients[i % CLIENTS]
             return streams.read(i, generate(nc, migrated_request(i), subject=subjects.generate))
 
-        # The worker runs in slices from here, so that every stream is mid-flight when it dies.
-        os.killpg(proc.pid, signal.SIGSTOP)
-        tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
-        await run_in_slices(proc.pid, streams.started.is_set, lambda: sum(streams.received))
+        await _every_stream_mid_flight(proc, port, tiny_model, streams, one, tasks)
         killed_at = time.monotonic()
-        assert max(streams.received) < TOKENS, "a stream ended before the kill"
         # The second worker joins: the first holds every stream when it dies.
         config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects)
         survivor = await open_worker(engine, config)
@@ -84,23 +133,9 @@ async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
 
         for i, frames in enumerate(results):
             check_continued(undisturbed[i], len(migrated_request(i).token_ids), frames)
-        # Every stream's worker was the one killed: each waited out the silence timeout.
-        stalls = [stall for stall in streams.stalls(killed_at) if stall > 2.0]
-        assert len(stalls) == STREAMS
-        p50, p99 = statistics.median(stalls), statistics.quantiles(stalls, n=100)[98]
-        print(f"\nmigrated {len(stalls)}/{STREAMS} streams; stall at the seam p50 {p50:.2f} s, "
-              f"p99 {p99:.2f} s")  # fmt: skip
-        assert p99 < 5.0 + 10.0  # the silence timeout, then the survivor's next step
+        _report_stalls(streams, killed_at, "")
     finally:
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        if survivor is not None:
-            await survivor.stop()
-        for nc in clients:
-            await nc.close()
+        await _clean_up(tasks, proc, survivor, clients)
 
 
 async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_none(
@@ -111,7 +146,7 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
     Each continues on the survivor as a new queue message after the tokens it had, attempt 1
     throughout (no stream restarts from token 0); the killed worker's messages, redelivered at
     `ack_wait`, find nobody listening and are terminated, so the queue ends empty."""
-    subjects = Subjects("jsmigrate", "vllm", "generate")
+    subjects = Subjects("e2ejsmigrate", "vllm", "generate")
     settings = JetStreamSettings(ack_wait_s=8.0)
     proc = await start_cli_worker(
         nats_server.url,
@@ -119,15 +154,12 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
         "--mode",
         "jetstream",
         "--namespace",
-        "jsmigrate",
+        "e2ejsmigrate",
         "--js-ack-wait",
         "8",
         "--max-concurrency",
         str(STREAMS),
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        "127.0.0.1",
+        *METRICS,
         own_session=True,
     )
     lines: list[str] = []
@@ -138,24 +170,13 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
         port = await ready_metrics_port(proc, lines)
         rest = asyncio.create_task(collect(proc.stdout, lines))
         streams = Streams(STREAMS, at_least=4)
-        in_flight = f"nats_worker_in_flight_requests{{model_name={tiny_model}}}"
 
         def one(i: int) -> Awaitable[list[ResponseFrame]]:
             stream = jetstream_stream(clients[i % CLIENTS], migrated_request(i), subjects=subjects)
             return streams.read(i, stream)
 
-        # The engine is stopped while the worker, running on, takes every stream from the queue
-        # (its pulls may come back in pieces on a busy host); then the engine runs in slices,
-        # every stream in its batch, so that every stream is mid-flight when the host dies.
-        engine_pids = engine_processes(proc.pid)
-        for pid in engine_pids:
-            os.kill(pid, signal.SIGSTOP)
-        tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
-        while (await asyncio.to_thread(scrape, port)).get(in_flight, 0) < STREAMS:
-            await asyncio.sleep(0.05)
-        await run_in_slices(engine_pids, streams.started.is_set, lambda: sum(streams.received))
+        await _every_stream_mid_flight(proc, port, tiny_model, streams, one, tasks)
         killed_at = time.monotonic()
-        assert max(streams.received) < TOKENS, "a stream ended before the kill"
         _, consumer = await stream_state(clients[0], subjects, settings)
         assert consumer.num_ack_pending == STREAMS
         os.killpg(proc.pid, signal.SIGKILL)  # the whole host: worker, engine core, reaper's kin
@@ -173,11 +194,7 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
         for i, frames in enumerate(results):
             assert {f.attempt for f in frames} == {1}, f"stream {i} restarted"
             check_continued(undisturbed[i], len(migrated_request(i).token_ids), frames)
-        stalls = [stall for stall in streams.stalls(killed_at) if stall > 2.0]
-        assert len(stalls) == STREAMS
-        p50, p99 = statistics.median(stalls), statistics.quantiles(stalls, n=100)[98]
-        print(f"\nJetStream: migrated {len(stalls)}/{STREAMS} streams; stall at the seam p50 "
-              f"{p50:.2f} s, p99 {p99:.2f} s")  # fmt: skip
+        _report_stalls(streams, killed_at, "JetStream: ")
         # The killed worker's 64 messages come back at ack_wait and are terminated.
         deadline = time.monotonic() + settings.ack_wait_s + 30
         while True:
@@ -187,15 +204,7 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
             assert time.monotonic() < deadline, (state, consumer)
             await asyncio.sleep(0.2)
     finally:
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        if survivor is not None:
-            await survivor.stop()
-        for nc in clients:
-            await nc.close()
+        await _clean_up(tasks, proc, survivor, clients)
 
 
 async def test_a_rolling_restart_under_load_ends_no_request_in_error(
