@@ -61,6 +61,7 @@ async def js_workers(nats_server):
         await worker.stop()
 
 
+@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
 async def test_sigkilled_worker_requests_complete_on_the_survivor(
     engine, nats_server, tiny_model, client, js_workers
 ) -> None:

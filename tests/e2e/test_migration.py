@@ -43,9 +43,6 @@ from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.nats.runtime import WorkerRuntime, open_worker
 
 STREAMS, TOKENS, CLIENTS = MIGRATED_STREAMS, MIGRATED_TOKENS, 4
-# CI runs the module beside the integration layer, on that pytest process's session engine (its
-# undisturbed run too): the jobs come out about even.
-pytestmark = pytest.mark.second_session
 METRICS = ("--metrics-port", "0", "--metrics-host", "127.0.0.1")
 
 
@@ -207,6 +204,7 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
         await _clean_up(tasks, proc, survivor, clients)
 
 
+@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
 async def test_a_rolling_restart_under_load_ends_no_request_in_error(
     engine, nats_server, tiny_model
 ) -> None:
