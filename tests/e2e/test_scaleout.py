@@ -14,6 +14,7 @@ import time
 import psutil
 import pytest
 
+from messages.frames import ResponseFrame
 from messages.subjects import SERVICE_NAME, Subjects
 from tests.helpers import (
     STATS_LINE,
@@ -196,13 +197,18 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
             subject=subjects.generate,
         )
 
-        async def first_token() -> None:
+        async def first_token() -> list[ResponseFrame]:
+            read = []
             async for frame in cancelled:
+                read.append(frame)
                 if frame.token_ids:
-                    return
+                    break
+            return read
 
         first = asyncio.create_task(first_token())
         await run_in_slices(proc.pid, done=first.done, progress=lambda: 0)
+        read = first.result()
+        assert read and read[-1].token_ids and read[-1].finish_reason is None, read
         await cancelled.aclose()  # the cancel, published while the worker is stopped
         os.killpg(proc.pid, signal.SIGCONT)
 
