@@ -464,6 +464,34 @@ async def test_vllm_extras_are_honoured_not_ignored(frontend, tiny_model) -> Non
     assert chat["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["<0xFF>", "a"],  # a byte no later byte completes, then text
+        ["<0xE2>", "<0x82>", "a"],  # a character cut short, then text
+        ["a", "<0xE2>", "<0x82>", "<0xAC>"],  # a character over three byte tokens
+        ["a", "<0xE2>", "<0x82>"],  # the answer ends inside a character
+    ],
+)
+def test_text_decoding_matches_vllms_detokenizer(tiny_model, pieces) -> None:
+    """Text from byte-fallback tokens as vLLM's fast incremental detokenizer makes it
+    (tokenizers' DecodeStream primed with the prompt, stepped once per token): held back while
+    it ends in bytes that are not yet UTF-8, a U+FFFD for each byte once other text follows them,
+    dropped at the end."""
+    from tokenizers.decoders import DecodeStream
+
+    tokenizer = ModelTokenizer.load(tiny_model)
+    fast = tokenizer.tokenizer.backend_tokenizer
+    vocab = fast.get_vocab()
+    ids = [vocab[p] if p.startswith("<0x") else fast.encode(p, add_special_tokens=False).ids[0]
+           for p in pieces]  # fmt: skip
+    stream = DecodeStream(ids=[1, 300, 301], skip_special_tokens=True)  # vLLM primes it so
+    vllm_text = "".join(stream.step(fast, i) or "" for i in ids)
+    decoder = tokenizer.text_decoder()
+    ours = "".join(decoder.feed(i) for i in ids) + decoder.finish()
+    assert ours == vllm_text, (pieces, ours, vllm_text)
+
+
 async def test_malformed_json_is_a_400(frontend) -> None:
     async with httpx.AsyncClient(timeout=60) as http:
         answer = await http.post(

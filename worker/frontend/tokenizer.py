@@ -95,6 +95,17 @@ class ModelTokenizer:
 
 
 _REPLACEMENT = "\ufffd"
+_PER_BYTE = "vllm-nats-replace-per-byte"
+
+
+def _replace_per_byte(error: UnicodeError) -> tuple[str, int]:
+    """A U+FFFD for each byte that is not UTF-8, as tokenizers' byte-fallback decoder (vLLM's
+    detokenizer) writes them; Python's "replace" writes one for a whole cut-short character."""
+    assert isinstance(error, UnicodeDecodeError)
+    return _REPLACEMENT * (error.end - error.start), error.end
+
+
+codecs.register_error(_PER_BYTE, _replace_per_byte)
 
 
 class TextDecoder:
@@ -109,7 +120,7 @@ class TextDecoder:
 
     def __init__(self, tokenizer: ModelTokenizer) -> None:
         self._tokenizer = tokenizer
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors=_PER_BYTE)
         self._held = ""
         self.text = ""
 
