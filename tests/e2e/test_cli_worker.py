@@ -41,7 +41,6 @@ from tests.helpers import (
     last_worker_line,
     process_text,
     ready_metrics_port,
-    run_in_slices,
     scrape,
     start_cli_worker,
     stats_env,
@@ -98,7 +97,6 @@ async def cli_worker(nats_server: NatsServer, tiny_model: Path) -> AsyncIterator
         "--health-interval",
         "1",
         env=stats_env("1"),
-        own_session=True,  # its process group: the engine-death test runs it in slices
     )
     lines: list[str] = []
     output = None
@@ -202,7 +200,7 @@ async def test_stream_interval_coalesces_frames_and_keeps_logprobs_aligned(
 
 
 async def test_engine_death_answers_in_flight_and_exits_non_zero(
-    cli_worker: CliWorker, client
+    cli_worker: CliWorker, client, tiny_model: Path
 ) -> None:
     """The module's last test: it kills the worker's engine. The request in flight gets a
     retryable `engine_error` (migration off, so the test sees the worker's own frame) and the
@@ -215,21 +213,22 @@ async def test_engine_death_answers_in_flight_and_exits_non_zero(
         async for frame in generate(client, request, subject=SUBJECTS.generate, migration_limit=0):
             frames.append(frame)
 
-    # The worker runs in slices until this test has read a first frame, and its engine dies
-    # while the worker is stopped: the request is mid-stream however slow the host.
-    os.killpg(proc.pid, signal.SIGSTOP)
-    reading = asyncio.create_task(in_flight())
-    # Slices of 30 ms: on an idle host the tiny model makes one stream's 250 tokens in 0.2 s.
-    await run_in_slices(
-        proc.pid, done=lambda: bool(frames), progress=lambda: len(frames), slice_s=0.03
-    )
-    # The engine dies whole (an OOM kill of its processes): its core and the core's executor
-    # worker, which would otherwise report its parent's death after the worker's last line.
+    # The engine is stopped before the request comes, so the request is in flight, admitted by
+    # the worker, when the engine dies, however fast the tiny model and however slow the host
+    # (running the worker in slices until a first frame, a starved test overran a slice and
+    # the request ended first). The engine dies whole (an OOM kill of its processes): its core
+    # and the core's executor worker, which would otherwise report its parent's death after the
+    # worker's last line.
     engine = engine_processes(proc.pid)
     assert len(engine) >= 2, [process_text(p) for p in psutil.Process(proc.pid).children()]
     for pid in engine:
+        os.kill(pid, signal.SIGSTOP)
+    reading = asyncio.create_task(in_flight())
+    gauge = f"nats_worker_in_flight_requests{{model_name={tiny_model}}}"
+    while (await asyncio.to_thread(scrape, cli_worker.metrics_port)).get(gauge, 0) < 1:
+        await asyncio.sleep(0.05)
+    for pid in engine:
         os.kill(pid, signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGCONT)
     await asyncio.wait_for(reading, 60)
     final = frames[-1]
     assert final.finish_reason == "error" and final.error is not None

@@ -237,7 +237,13 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         await output
         text = "".join(lines)
-        assert "request mp-cancel cancelled" in text, [line for line in lines if "mp-" in line]
+        # The cancel, or (whichever the serving process handles first: nats-py runs each
+        # subscription's callbacks in a task of its own) the probe that finds the client's inbox
+        # gone right after it, ends the request early where it runs.
+        ended = [line for line in lines if "request mp-cancel" in line]
+        assert any("cancelled by its client" in line or "client gone" in line for line in ended), (
+            ended
+        )
         assert last_worker_line(lines) == "vllm-nats-worker stopped (exit 0)"
         assert text.count("stopping: draining") == 2
         assert not re.search(STATS_LINE, text), "a stats line despite --disable-log-stats"
