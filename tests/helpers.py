@@ -382,6 +382,19 @@ def engine_processes(parent: int) -> list[int]:
     return [p.pid for core in cores for p in (core, *core.children(recursive=True))]
 
 
+def signal_each(pids: Iterable[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+async def until_in_flight(port: int, model: str | Path, count: int) -> None:
+    """Returns once a CLI worker's in-flight gauge (its `--metrics-port`) reads `count` or more:
+    the worker has admitted that many requests, whatever its engine is doing."""
+    gauge = f"nats_worker_in_flight_requests{{model_name={model}}}"
+    while (await asyncio.to_thread(scrape, port)).get(gauge, 0) < count:
+        await asyncio.sleep(0.05)
+
+
 def get_health(port: int) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
@@ -545,8 +558,7 @@ async def run_in_slices(
         if isinstance(target, int):
             os.killpg(target, sig)
         else:
-            for pid in target:
-                os.kill(pid, sig)
+            signal_each(target, sig)
 
     deadline = time.monotonic() + within
     while True:

@@ -12,7 +12,6 @@ CI runs the module beside the integration layer (second_session): its frames coa
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import time
@@ -42,8 +41,10 @@ from tests.helpers import (
     process_text,
     ready_metrics_port,
     scrape,
+    signal_each,
     start_cli_worker,
     stats_env,
+    until_in_flight,
 )
 from worker.client import complete, generate
 from worker.client.requests import make_request
@@ -222,14 +223,10 @@ async def test_engine_death_answers_in_flight_and_exits_non_zero(
     # worker's last line.
     engine = engine_processes(proc.pid)
     assert len(engine) >= 2, [process_text(p) for p in psutil.Process(proc.pid).children()]
-    for pid in engine:
-        os.kill(pid, signal.SIGSTOP)
+    signal_each(engine, signal.SIGSTOP)
     reading = asyncio.create_task(in_flight())
-    gauge = f"nats_worker_in_flight_requests{{model_name={tiny_model}}}"
-    while (await asyncio.to_thread(scrape, cli_worker.metrics_port)).get(gauge, 0) < 1:
-        await asyncio.sleep(0.05)
-    for pid in engine:
-        os.kill(pid, signal.SIGKILL)
+    await until_in_flight(cli_worker.metrics_port, tiny_model, 1)
+    signal_each(engine, signal.SIGKILL)
     await asyncio.wait_for(reading, 60)
     final = frames[-1]
     assert final.finish_reason == "error" and final.error is not None

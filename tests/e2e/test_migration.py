@@ -17,13 +17,14 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import nats
 import pytest
 
 from messages.frames import ResponseFrame
+from messages.request import GenerateRequest
 from messages.subjects import Subjects
 from tests.e2e.conftest import MIGRATED_STREAMS, MIGRATED_TOKENS, migrated_request
 from tests.helpers import (
@@ -33,10 +34,11 @@ from tests.helpers import (
     engine_processes,
     ready_metrics_port,
     run_in_slices,
-    scrape,
     serving,
+    signal_each,
     start_cli_worker,
     stream_state,
+    until_in_flight,
 )
 from worker.client import generate, jetstream_stream
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
@@ -57,82 +59,93 @@ def _report_stalls(streams: Streams, killed_at: float, mode: str) -> None:
     assert p99 < 5.0 + 10.0
 
 
-async def _clean_up(
-    tasks: list[asyncio.Task[list[ResponseFrame]]],
-    proc: asyncio.subprocess.Process,
-    survivor: WorkerRuntime | None,
-    clients: list[nats.NATS],
-) -> None:
-    for task in tasks:
-        task.cancel()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    await proc.wait()
-    if survivor is not None:
-        await survivor.stop()
-    for nc in clients:
-        await nc.close()
+@dataclasses.dataclass
+class _Doomed:
+    """A CLI worker (its own process group, a metrics port) that dies with the 64 streams
+    mid-flight on it, and the test's side: its 4 clients, the streams and the survivor."""
+
+    proc: asyncio.subprocess.Process
+    port: int
+    model: Path
+    clients: list[nats.NATS]
+    streams: Streams = dataclasses.field(default_factory=lambda: Streams(STREAMS, at_least=4))
+    tasks: list[asyncio.Task[list[ResponseFrame]]] = dataclasses.field(default_factory=list)
+    survivor: WorkerRuntime | None = None
+
+    async def every_stream_mid_flight(self, open_stream: OpenStream) -> None:
+        """Starts the 64 streams (`migrated_request(i)` from client i % 4) and returns with every
+        one mid-flight and the worker's engine stopped. The engine is stopped while the worker,
+        running on, takes every stream (on a busy host its intake takes them in pieces, and
+        with the whole worker running in slices the first streams had ended before the last
+        began); then the engine runs in slices, every stream in its batch, until each has
+        tokens."""
+        engine_pids = engine_processes(self.proc.pid)
+        signal_each(engine_pids, signal.SIGSTOP)
+        self.tasks += [
+            asyncio.create_task(
+                self.streams.read(i, open_stream(self.clients[i % CLIENTS], migrated_request(i)))
+            )
+            for i in range(STREAMS)
+        ]
+        await until_in_flight(self.port, self.model, STREAMS)
+        streams = self.streams
+        await run_in_slices(engine_pids, streams.started.is_set, lambda: sum(streams.received))
+        assert max(streams.received) < TOKENS, "a stream ended before the kill"
+
+    async def kill(self) -> None:
+        """The whole host: worker, engine core, reaper's kin."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
 
 
-async def _every_stream_mid_flight(
-    proc: asyncio.subprocess.Process,
-    port: int,
-    model: Path,
-    streams: Streams,
-    one: Callable[[int], Awaitable[list[ResponseFrame]]],
-    tasks: list[asyncio.Task[list[ResponseFrame]]],
-) -> None:
-    """Starts the 64 streams (into `tasks`) on the CLI worker `proc` and returns with every one
-    mid-flight and the worker's engine stopped. The engine is stopped while the worker, running
-    on, takes every stream (on a busy host its intake takes them in pieces, and with the whole
-    worker running in slices the first streams had ended before the last began); then the
-    engine runs in slices, every stream in its batch, until each has tokens."""
-    engine_pids = engine_processes(proc.pid)
-    for pid in engine_pids:
-        os.kill(pid, signal.SIGSTOP)
-    tasks += [asyncio.create_task(one(i)) for i in range(STREAMS)]
-    in_flight = f"nats_worker_in_flight_requests{{model_name={model}}}"
-    while (await asyncio.to_thread(scrape, port)).get(in_flight, 0) < STREAMS:
-        await asyncio.sleep(0.05)
-    await run_in_slices(engine_pids, streams.started.is_set, lambda: sum(streams.received))
-    assert max(streams.received) < TOKENS, "a stream ended before the kill"
+OpenStream = Callable[[nats.NATS, GenerateRequest], AsyncIterator[ResponseFrame]]
+
+
+@contextlib.asynccontextmanager
+async def _doomed_worker(nats_url: str, model: Path, *flags: str) -> AsyncIterator[_Doomed]:
+    proc = await start_cli_worker(nats_url, model, *flags, *METRICS, own_session=True)
+    doomed = None
+    rest = None
+    try:
+        clients = [await nats.connect(nats_url) for _ in range(CLIENTS)]
+        lines: list[str] = []
+        port = await ready_metrics_port(proc, lines)
+        rest = asyncio.create_task(collect(proc.stdout, lines))
+        doomed = _Doomed(proc, port, model, clients)
+        yield doomed
+    finally:
+        if rest is not None:
+            rest.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        if doomed is not None:
+            for task in doomed.tasks:
+                task.cancel()
+            if doomed.survivor is not None:
+                await doomed.survivor.stop()
+            for nc in doomed.clients:
+                await nc.close()
 
 
 async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
     engine, nats_server, tiny_model, undisturbed
 ) -> None:
     subjects = Subjects("e2emigrate", "vllm", "generate")
-    proc = await start_cli_worker(
-        nats_server.url, tiny_model, "--namespace", "e2emigrate", *METRICS, own_session=True
-    )
-    lines: list[str] = []
-    clients = [await nats.connect(nats_server.url) for _ in range(CLIENTS)]
-    survivor = None
-    tasks: list[asyncio.Task[list[ResponseFrame]]] = []
-    try:
-        port = await ready_metrics_port(proc, lines)
-        rest = asyncio.create_task(collect(proc.stdout, lines))
-        streams = Streams(STREAMS, at_least=4)
-
-        def one(i: int) -> Awaitable[list[ResponseFrame]]:
-            nc = clients[i % CLIENTS]
-            return streams.read(i, generate(nc, migrated_request(i), subject=subjects.generate))
-
-        await _every_stream_mid_flight(proc, port, tiny_model, streams, one, tasks)
+    async with _doomed_worker(nats_server.url, tiny_model, "--namespace", "e2emigrate") as doomed:
+        await doomed.every_stream_mid_flight(
+            lambda client, request: generate(client, request, subject=subjects.generate)
+        )
         killed_at = time.monotonic()
         # The second worker joins: the first holds every stream when it dies.
         config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects)
-        survivor = await open_worker(engine, config)
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole host: worker, engine core, reaper's kin
-        await proc.wait()
-        rest.cancel()
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        doomed.survivor = await open_worker(engine, config)
+        await doomed.kill()
+        results = await asyncio.wait_for(asyncio.gather(*doomed.tasks), 240)
 
         for i, frames in enumerate(results):
             check_continued(undisturbed[i], len(migrated_request(i).token_ids), frames)
-        _report_stalls(streams, killed_at, "")
-    finally:
-        await _clean_up(tasks, proc, survivor, clients)
+        _report_stalls(doomed.streams, killed_at, "")
 
 
 async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_none(
@@ -145,63 +158,38 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
     `ack_wait`, find nobody listening and are terminated, so the queue ends empty."""
     subjects = Subjects("e2ejsmigrate", "vllm", "generate")
     settings = JetStreamSettings(ack_wait_s=8.0)
-    proc = await start_cli_worker(
-        nats_server.url,
-        tiny_model,
-        "--mode",
-        "jetstream",
-        "--namespace",
-        "e2ejsmigrate",
-        "--js-ack-wait",
-        "8",
-        "--max-concurrency",
-        str(STREAMS),
-        *METRICS,
-        own_session=True,
-    )
-    lines: list[str] = []
-    clients = [await nats.connect(nats_server.url) for _ in range(CLIENTS)]
-    survivor = None
-    tasks: list[asyncio.Task[list[ResponseFrame]]] = []
-    try:
-        port = await ready_metrics_port(proc, lines)
-        rest = asyncio.create_task(collect(proc.stdout, lines))
-        streams = Streams(STREAMS, at_least=4)
-
-        def one(i: int) -> Awaitable[list[ResponseFrame]]:
-            stream = jetstream_stream(clients[i % CLIENTS], migrated_request(i), subjects=subjects)
-            return streams.read(i, stream)
-
-        await _every_stream_mid_flight(proc, port, tiny_model, streams, one, tasks)
+    flags = ("--mode", "jetstream", "--namespace", "e2ejsmigrate", "--js-ack-wait", "8")
+    async with _doomed_worker(
+        nats_server.url, tiny_model, *flags, "--max-concurrency", str(STREAMS)
+    ) as doomed:
+        await doomed.every_stream_mid_flight(
+            lambda client, request: jetstream_stream(client, request, subjects=subjects)
+        )
         killed_at = time.monotonic()
-        _, consumer = await stream_state(clients[0], subjects, settings)
+        _, consumer = await stream_state(doomed.clients[0], subjects, settings)
         assert consumer.num_ack_pending == STREAMS
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole host: worker, engine core, reaper's kin
-        await proc.wait()
-        rest.cancel()
+        await doomed.kill()
         config = WorkerConfig(
             nats=NatsConfig(servers=[nats_server.url]),
             subjects=subjects,
             max_concurrency=STREAMS,
             jetstream=dataclasses.replace(settings, capacity=STREAMS),
         )
-        survivor = await open_worker(engine, config)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        doomed.survivor = await open_worker(engine, config)
+        results = await asyncio.wait_for(asyncio.gather(*doomed.tasks), 240)
 
         for i, frames in enumerate(results):
             assert {f.attempt for f in frames} == {1}, f"stream {i} restarted"
             check_continued(undisturbed[i], len(migrated_request(i).token_ids), frames)
-        _report_stalls(streams, killed_at, "JetStream: ")
+        _report_stalls(doomed.streams, killed_at, "JetStream: ")
         # The killed worker's 64 messages come back at ack_wait and are terminated.
         deadline = time.monotonic() + settings.ack_wait_s + 30
         while True:
-            state, consumer = await stream_state(clients[0], subjects, settings)
+            state, consumer = await stream_state(doomed.clients[0], subjects, settings)
             if state.messages == 0 and consumer.num_ack_pending == 0:
                 break
             assert time.monotonic() < deadline, (state, consumer)
             await asyncio.sleep(0.2)
-    finally:
-        await _clean_up(tasks, proc, survivor, clients)
 
 
 @pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
