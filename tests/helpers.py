@@ -177,16 +177,18 @@ async def sigterm_mid_stream(
     return seen
 
 
-async def ready_metrics_port(proc, lines: list[str]) -> int:
-    """Waits for a CLI worker's ready line (started with `--metrics-port 0 --metrics-host
-    127.0.0.1`) and returns the metrics port it names."""
-    ready = await read_until(
-        proc.stdout,
-        r"vllm-nats-worker ready: .*metrics http://127\.0\.0\.1:(\d+)/metrics",
-        lines,
-        300,
-    )
-    return int(ready.group(1))
+async def ready_metrics_port(proc, lines: list[str], processes: int = 1) -> int:
+    """Waits for the ready lines of a CLI worker's `processes` worker processes (started with
+    `--metrics-port 0 --metrics-host 127.0.0.1`) and returns the metrics port it names (in the
+    ready line of one process, in the parent's own line of several)."""
+    deadline = time.monotonic() + 300 + 150 * (processes - 1)
+    for _ in range(processes):
+        await read_until(
+            proc.stdout, r"vllm-nats-worker ready:", lines, deadline - time.monotonic()
+        )
+    ports = re.findall(r"metrics http://127\.0\.0\.1:(\d+)/metrics", "".join(lines))
+    assert len(set(ports)) == 1, ports
+    return int(ports[0])
 
 
 async def collect(stream, lines: list[str]) -> None:
@@ -380,6 +382,18 @@ def engine_processes(parent: int) -> list[int]:
         if "EngineCore" in process_text(p)
     ]
     return [p.pid for core in cores for p in (core, *core.children(recursive=True))]
+
+
+def worker_processes(parent: int) -> list[psutil.Process]:
+    """The worker processes of a CLI worker started with `--worker-processes`: its children
+    other than vLLM's engine core, the reaper and multiprocessing's resource tracker."""
+    found = []
+    for child in psutil.Process(parent).children():
+        command = " ".join(child.cmdline())
+        if "spawn_main" in command and "resource_tracker" not in command:
+            if not child.name().startswith("VLLM::"):
+                found.append(child)
+    return found
 
 
 def signal_each(pids: Iterable[int], sig: signal.Signals) -> None:

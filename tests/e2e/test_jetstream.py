@@ -1,7 +1,7 @@
-"""Durable work-queue mode on a real JetStream server with the real vLLM engine: a worker
-started by its CLI is SIGKILLed mid-generation and its requests complete on a survivor (the one
-real-engine variant of redelivery; its reaper takes vLLM's engine processes with it), and the
-mode as discovery, the log, the client CLI and the frontend see it.
+"""Durable work-queue mode on a real JetStream server with the real vLLM engine: the mode as
+discovery, the log, the client CLI and the frontend see it. A CLI worker SIGKILLed with every
+stream mid-flight, its messages redelivered and terminated unrun, and its reaper taking vLLM's
+engine processes with it: tests/e2e/test_migration.py.
 
 The intake itself on the fake engines (queueing, attempts, in-progress acks, poison messages,
 max_deliver, load-aware pulls, malformed payloads): tests/integration/test_jetstream_intake.py."""
@@ -9,29 +9,15 @@ max_deliver, load-aware pulls, malformed payloads): tests/integration/test_jetst
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import os
-import signal
 
-import psutil
 import pytest
 
 from messages.subjects import Subjects
 from tests.helpers import (
-    REAPER,
-    collect,
-    kill_all,
-    process_text,
-    read_until,
     run_client_cli,
     settled_state,
-    start_cli_worker,
-    stream_state,
-    wait_gone,
 )
-from worker.client import jetstream_generate
-from worker.client.requests import make_request
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.nats.runtime import WorkerRuntime, open_worker
 
@@ -59,106 +45,6 @@ async def js_workers(nats_server):
     yield start
     for worker in made:
         await worker.stop()
-
-
-@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
-async def test_sigkilled_worker_requests_complete_on_the_survivor(
-    engine, nats_server, tiny_model, client, js_workers
-) -> None:
-    subjects = Subjects("jsk", "vllm", "generate")
-    settings = JetStreamSettings(ack_wait_s=3.0)
-    proc = await start_cli_worker(
-        nats_server.url,
-        tiny_model,
-        "--mode",
-        "jetstream",
-        "--namespace",
-        "jsk",
-        "--js-ack-wait",
-        "3",
-        "--max-concurrency",
-        "4",
-        own_session=True,  # its own process group: the worker and vLLM's engine process
-    )
-    lines: list[str] = []
-    family: list[psutil.Process] = []
-    try:
-        await read_until(proc.stdout, r"vllm-nats-worker ready: .* \(jetstream\)", lines, 300)
-        rest = asyncio.create_task(collect(proc.stdout, lines))
-        family = psutil.Process(proc.pid).children(recursive=True)
-        cores = [p for p in family if "EngineCore" in process_text(p)]
-        reapers = [p for p in family if "worker.engine.reaper" in process_text(p)]
-        assert len(reapers) == 1 and cores, [process_text(p) for p in family]
-        seen: dict[str, list[int]] = {}
-        first_frames = asyncio.Event()
-        killed = asyncio.Event()
-        ends: list[tuple] = []  # (request_id, attempt, index, finish_reason): a failure's message
-
-        async def one(i: int):
-            request_id = f"kill-{i}"
-            request = make_request(
-                request_id,
-                [1, 70 + i, 300],
-                max_tokens=450,
-                n=8,
-                temperature=1.0,
-                seed=i,
-                logprobs=5,
-            )
-            frames = []
-            async for frame in jetstream_generate(client, request, subjects=subjects, timeout=60):
-                if frame.attempt not in seen.setdefault(request_id, []):
-                    seen[request_id].append(frame.attempt)
-                    frames = []  # the new attempt replaces what the old one sent
-                frames.append(frame)
-                if frame.finish_reason is not None:
-                    ends.append((request_id, frame.attempt, frame.index, frame.finish_reason))
-                if len(seen) == 4:
-                    first_frames.set()
-                if not killed.is_set():
-                    # Read no further until the kill: a reader that drains buffered frames
-                    # without yielding would delay it past the end of a stream on a slow host.
-                    await killed.wait()
-            return frames
-
-        tasks = [asyncio.create_task(one(i)) for i in range(4)]
-        await asyncio.wait_for(first_frames.wait(), 120)
-        # The host dies mid-generation (nothing acked). Its processes are stopped first, so that
-        # the stream shows what it had acked at the moment of death; then the main process alone
-        # is killed, and its reaper (own session, not stopped) kills vLLM's engine processes,
-        # which have no parent-death handling of their own.
-        os.killpg(proc.pid, signal.SIGSTOP)
-        _, consumer = await stream_state(client, subjects, settings)
-        os.kill(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        killed.set()
-        assert consumer.num_ack_pending == 4, "a stream ended before the kill"
-        left = await asyncio.to_thread(wait_gone, family, 15)
-        assert left == [], [process_text(p) for p in left]
-        await asyncio.wait_for(rest, 15)  # every holder of the worker's stdout is gone
-        reaped = [line for line in lines if line.startswith(REAPER)]
-        assert len(reaped) == 1 and all(f"{p.pid} (" in reaped[0] for p in cores), reaped
-        await js_workers(engine, subjects, settings)  # the survivor
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        for i, frames in enumerate(results):
-            assert seen[f"kill-{i}"] == [1, 2], (seen, ends, "".join(lines[-40:]))
-            tokens = {c: 0 for c in range(8)}
-            finals = {}
-            for frame in frames:
-                assert frame.attempt == 2
-                assert len(frame.log_probs) == len(frame.top_logprobs) == len(frame.token_ids)
-                tokens[frame.index] += len(frame.token_ids)
-                if frame.finish_reason is not None:
-                    finals[frame.index] = frame.finish_reason
-            assert finals == {c: "length" for c in range(8)}
-            assert tokens == {c: 450 for c in range(8)}  # one complete answer per choice
-        state, consumer = await settled_state(client, subjects, settings)
-        assert state.messages == 0 and consumer.num_ack_pending == 0  # 0 lost, 0 left
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        kill_all(family)  # the reaper runs in its own session
 
 
 async def test_jetstream_mode_seen_from_outside(

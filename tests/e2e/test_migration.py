@@ -3,7 +3,8 @@ while 64 streams from 4 clients (300 greedy tokens, logprobs 5) are mid-flight o
 stream ends with `length` and is token for token, and logprob for logprob, an undisturbed run's.
 The survivor is an in-process worker on the session's engine, started just before the kill.
 The library's defaults are used (heartbeats every 1 s, a 5 s silence timeout, 3 migrations).
-The same in JetStream mode, where the publisher owns the continuation.
+The same in JetStream mode, where the publisher owns the continuation; there the worker's main
+process alone is killed, and its reaper takes vLLM's engine processes with it.
 
 The transport-level variants (drain handover, slow prefill, no worker left, JetStream mode on the
 fake engine): tests/integration/test_migration.py."""
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import nats
+import psutil
 import pytest
 
 from messages.frames import ResponseFrame
@@ -28,10 +30,12 @@ from messages.request import GenerateRequest
 from messages.subjects import Subjects
 from tests.e2e.conftest import MIGRATED_STREAMS, MIGRATED_TOKENS, migrated_request
 from tests.helpers import (
+    REAPER,
     Streams,
     check_continued,
     collect,
     engine_processes,
+    process_text,
     ready_metrics_port,
     run_in_slices,
     serving,
@@ -39,6 +43,8 @@ from tests.helpers import (
     start_cli_worker,
     stream_state,
     until_in_flight,
+    wait_gone,
+    worker_processes,
 )
 from worker.client import generate, jetstream_stream
 from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
@@ -68,9 +74,12 @@ class _Doomed:
     port: int
     model: Path
     clients: list[nats.NATS]
+    lines: list[str]
+    output: asyncio.Task[None]  # reads the worker's stdout into `lines` until every holder exits
     streams: Streams = dataclasses.field(default_factory=lambda: Streams(STREAMS, at_least=4))
     tasks: list[asyncio.Task[list[ResponseFrame]]] = dataclasses.field(default_factory=list)
     survivor: WorkerRuntime | None = None
+    engine_pids: list[int] = dataclasses.field(default_factory=list)
 
     async def every_stream_mid_flight(self, open_stream: OpenStream) -> None:
         """Starts the 64 streams (`migrated_request(i)` from client i % 4) and returns with every
@@ -79,7 +88,7 @@ class _Doomed:
         with the whole worker running in slices the first streams had ended before the last
         began); then the engine runs in slices, every stream in its batch, until each has
         tokens."""
-        engine_pids = engine_processes(self.proc.pid)
+        self.engine_pids = engine_pids = engine_processes(self.proc.pid)
         signal_each(engine_pids, signal.SIGSTOP)
         self.tasks += [
             asyncio.create_task(
@@ -92,30 +101,66 @@ class _Doomed:
         await run_in_slices(engine_pids, streams.started.is_set, lambda: sum(streams.received))
         assert max(streams.received) < TOKENS, "a stream ended before the kill"
 
-    async def kill(self) -> None:
-        """The whole host: worker, engine core, reaper's kin."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
+    async def kill_the_main_process(self) -> None:
+        """The worker's main process alone, as an OOM killer or a careless operator does. Its
+        process group is stopped first, so that nothing of it runs on; the reaper (a session of
+        its own, not stopped) then kills vLLM's engine processes, which have no parent-death
+        handling, and names them in its one line."""
+        family = psutil.Process(self.proc.pid).children(recursive=True)
+        cores = [p for p in family if "EngineCore" in process_text(p)]
+        reapers = [p for p in family if "worker.engine.reaper" in process_text(p)]
+        assert len(reapers) == 1 and cores, [process_text(p) for p in family]
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        os.kill(self.proc.pid, signal.SIGKILL)
         await self.proc.wait()
+        left = await asyncio.to_thread(wait_gone, family, 15)
+        assert left == [], [process_text(p) for p in left]
+        await asyncio.wait_for(self.output, 15)  # every holder of the worker's stdout is gone
+        reaped = [line for line in self.lines if line.startswith(REAPER)]
+        assert len(reaped) == 1 and all(f"{p.pid} (" in reaped[0] for p in cores), reaped
+
+    def kill_the_worker_processes(self) -> list[psutil.Process]:
+        """Both processes of `--worker-processes 2` (SIGKILL), the engine core let run on: the
+        parent sees them die and ends the whole worker. Returns every process the worker had,
+        for `ended_as_one`."""
+        family = psutil.Process(self.proc.pid).children(recursive=True)
+        processes = worker_processes(self.proc.pid)
+        assert len(processes) == 2, [process_text(p) for p in family]
+        signal_each((p.pid for p in processes), signal.SIGKILL)
+        signal_each(self.engine_pids, signal.SIGCONT)
+        return family
+
+    async def ended_as_one(self, family: list[psutil.Process]) -> None:
+        """A worker process that dies ends the whole worker non-zero, never half alive, and
+        leaves no process behind."""
+        assert await asyncio.wait_for(self.proc.wait(), 60) != 0
+        left = await asyncio.to_thread(wait_gone, family, 20)
+        assert left == [], [process_text(p) for p in left]
+        await asyncio.wait_for(self.output, 15)
+        assert "died with exit code" in "".join(self.lines)
 
 
 OpenStream = Callable[[nats.NATS, GenerateRequest], AsyncIterator[ResponseFrame]]
 
 
 @contextlib.asynccontextmanager
-async def _doomed_worker(nats_url: str, model: Path, *flags: str) -> AsyncIterator[_Doomed]:
-    proc = await start_cli_worker(nats_url, model, *flags, *METRICS, own_session=True)
+async def _doomed_worker(
+    nats_url: str, model: Path, *flags: str, processes: int = 1
+) -> AsyncIterator[_Doomed]:
+    flags += ("--worker-processes", str(processes), *METRICS)
+    proc = await start_cli_worker(nats_url, model, *flags, own_session=True)
     doomed = None
-    rest = None
+    output = None
     try:
         clients = [await nats.connect(nats_url) for _ in range(CLIENTS)]
         lines: list[str] = []
-        port = await ready_metrics_port(proc, lines)
-        rest = asyncio.create_task(collect(proc.stdout, lines))
-        doomed = _Doomed(proc, port, model, clients)
+        port = await ready_metrics_port(proc, lines, processes)
+        output = asyncio.create_task(collect(proc.stdout, lines))
+        doomed = _Doomed(proc, port, model, clients, lines, output)
         yield doomed
     finally:
-        if rest is not None:
-            rest.cancel()
+        if output is not None:
+            output.cancel()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
@@ -140,7 +185,7 @@ async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
         # The second worker joins: the first holds every stream when it dies.
         config = WorkerConfig(nats=NatsConfig(servers=[nats_server.url]), subjects=subjects)
         doomed.survivor = await open_worker(engine, config)
-        await doomed.kill()
+        await doomed.kill_the_main_process()
         results = await asyncio.wait_for(asyncio.gather(*doomed.tasks), 240)
 
         for i, frames in enumerate(results):
@@ -152,23 +197,25 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
     engine, nats_server, tiny_model, undisturbed
 ) -> None:
     """JetStream mode: the same 64 streams, as `jetstream_stream` publishers (the publisher owns
-    the continuation), queued for a CLI worker that is SIGKILLed with every stream mid-flight.
-    Each continues on the survivor as a new queue message after the tokens it had, attempt 1
-    throughout (no stream restarts from token 0); the killed worker's messages, redelivered at
-    `ack_wait`, find nobody listening and are terminated, so the queue ends empty."""
+    the continuation), queued for a CLI worker whose main process is SIGKILLed with every stream
+    mid-flight (its reaper kills the engine's processes). Each continues on the survivor as a
+    new queue message after the tokens it had, attempt 1 throughout (no stream restarts from
+    token 0); the killed worker's messages, redelivered at `ack_wait`, find nobody listening and
+    are terminated, so the queue ends empty."""
     subjects = Subjects("e2ejsmigrate", "vllm", "generate")
     settings = JetStreamSettings(ack_wait_s=8.0)
     flags = ("--mode", "jetstream", "--namespace", "e2ejsmigrate", "--js-ack-wait", "8")
-    async with _doomed_worker(
-        nats_server.url, tiny_model, *flags, "--max-concurrency", str(STREAMS)
-    ) as doomed:
+    # Two worker processes, each taking at most half of --max-concurrency: 64 in flight means
+    # both pull the one durable consumer.
+    flags += ("--max-concurrency", str(STREAMS))
+    async with _doomed_worker(nats_server.url, tiny_model, *flags, processes=2) as doomed:
         await doomed.every_stream_mid_flight(
             lambda client, request: jetstream_stream(client, request, subjects=subjects)
         )
         killed_at = time.monotonic()
         _, consumer = await stream_state(doomed.clients[0], subjects, settings)
         assert consumer.num_ack_pending == STREAMS
-        await doomed.kill()
+        family = doomed.kill_the_worker_processes()
         config = WorkerConfig(
             nats=NatsConfig(servers=[nats_server.url]),
             subjects=subjects,
@@ -190,6 +237,7 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
                 break
             assert time.monotonic() < deadline, (state, consumer)
             await asyncio.sleep(0.2)
+        await doomed.ended_as_one(family)
 
 
 @pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out

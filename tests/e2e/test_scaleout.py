@@ -1,5 +1,7 @@
 """--worker-processes N: N worker processes over one vLLM engine core (the real CPU engine),
-started by the CLI as a production worker is."""
+started by the CLI as a production worker is. In JetStream mode, with both processes pulling one
+durable consumer and a worker process's death ending the whole worker:
+tests/e2e/test_migration.py (its JetStream test)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from tests.helpers import (
     start_cli_worker,
     stats_env,
     until,
+    worker_processes,
 )
 from worker.client import KvRouter, complete, discover_workers, generate
 from worker.client.library import discovery_answers
@@ -38,18 +41,6 @@ from worker.client.requests import make_request
 pytestmark = pytest.mark.own_engine  # CI runs these beside the session-engine tests
 
 PROMPT = [1, 300, 301, 302]
-
-
-def _worker_processes(parent: int) -> list[psutil.Process]:
-    """The parent's worker processes: its children other than vLLM's engine core, the reaper
-    and multiprocessing's resource tracker."""
-    found = []
-    for child in psutil.Process(parent).children():
-        command = " ".join(child.cmdline())
-        if "spawn_main" in command and "resource_tracker" not in command:
-            if not child.name().startswith("VLLM::"):
-                found.append(child)
-    return found
 
 
 async def _start(nats_server, tiny_model, namespace: str, lines: list[str]):
@@ -179,7 +170,7 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         assert code == 200 and body["status"] == "ok", body
         assert body["expected_processes"] == 2
         assert sorted(p["pid"] for p in body["processes"]) == sorted(
-            c.pid for c in _worker_processes(proc.pid)
+            c.pid for c in worker_processes(proc.pid)
         )
         samples = await asyncio.to_thread(scrape, port)
         outcome = f"model_name={tiny_model},outcome=length"
@@ -259,74 +250,3 @@ def test_worker_processes_must_be_at_least_one(capsys) -> None:
             ["--model", "m", "--nats-url", "nats://x:1", "--worker-processes", "0"]
         )
     assert "--worker-processes: must be >= 1, got 0" in capsys.readouterr().err
-
-
-async def test_two_processes_pull_one_jetstream_work_queue_and_die_as_one(
-    nats_server, tiny_model, client
-) -> None:
-    """--mode jetstream with --worker-processes 2: both processes pull the shared durable
-    consumer, each up to its share of --max-concurrency, and every queued request is answered
-    once and acked; a worker process that dies ends the whole worker non-zero."""
-    from worker.client import jetstream_complete
-    from worker.config import JetStreamSettings
-    from worker.nats.intake.jetstream import stream_name
-
-    lines: list[str] = []
-    proc = await start_cli_worker(
-        nats_server.url,
-        tiny_model,
-        "--worker-processes",
-        "2",
-        "--mode",
-        "jetstream",
-        "--namespace",
-        "mpjs",
-        "--max-concurrency",
-        "8",
-        own_session=True,
-    )
-    subjects = Subjects("mpjs", "vllm", "generate")
-    try:
-        deadline = time.monotonic() + 600  # an engine core and two clients starting on 2 cores
-        for _ in range(2):
-            left = deadline - time.monotonic()
-            await read_until(proc.stdout, r"vllm-nats-worker ready:.*\(jetstream\)", lines, left)
-        output = asyncio.create_task(collect(proc.stdout, lines))
-        results = await asyncio.gather(
-            *(
-                jetstream_complete(
-                    client, make_request(f"mpjs-{i}", PROMPT, max_tokens=16), subjects=subjects
-                )
-                for i in range(12)
-            )
-        )
-        assert [r.choices[0].finish_reason for r, _ in results] == ["length"] * 12
-        assert all(attempts == [1] for _, attempts in results)
-        js = client.jetstream()
-        name = stream_name(subjects, JetStreamSettings())
-        for _ in range(50):
-            state = (await js.stream_info(name)).state
-            if state.messages == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert state.messages == 0  # every request acked
-
-        def served() -> int:
-            return sum(1 for line in lines if "request mpjs-" in line and " length " in line)
-
-        await until(lambda: served() >= 12)  # one log line per request, written as it ends
-        assert served() == 12
-
-        # One worker process dies: the whole worker ends, non-zero, never half alive, and
-        # leaves no process behind (the queued requests wait for another worker).
-        children = _worker_processes(proc.pid)
-        assert len(children) == 2, [c.cmdline() for c in children]
-        everything = psutil.Process(proc.pid).children(recursive=True)
-        children[0].kill()
-        assert await asyncio.wait_for(proc.wait(), 60) != 0
-        gone, alive = psutil.wait_procs(everything, timeout=20)
-        assert alive == [], [p.pid for p in alive]
-        await output
-        assert "died with exit code" in "".join(lines)
-    finally:
-        _kill_group(proc)
