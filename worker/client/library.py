@@ -302,6 +302,23 @@ async def _continued(
         current = continuation
 
 
+async def _other_workers(
+    nc: NATS, base: str, refused: set[str], window: float
+) -> list[WorkerInstance]:
+    """Workers on `base` with free capacity that have not refused this request. A worker's
+    discovery answer can miss a short window on a busy host, so finding none is only believed
+    after a second look four times as long."""
+    for look in (window, 4 * window):
+        candidates = [
+            worker
+            for worker in await discover_workers(nc, base, window=look)
+            if worker.instance_id not in refused and worker.has_capacity
+        ]
+        if candidates:
+            return candidates
+    return []
+
+
 async def _generate_leg(
     nc: NATS,
     request: GenerateRequest,
@@ -361,11 +378,7 @@ async def _generate_leg(
             refused.add(instance_id)
         if attempt == retries:
             break
-        candidates = [
-            worker
-            for worker in await discover_workers(nc, base, window=discovery_window)
-            if worker.instance_id not in refused and worker.has_capacity
-        ]
+        candidates = await _other_workers(nc, base, refused, discovery_window)
         if not candidates:
             refusals.append("no other worker with free capacity")
             break
