@@ -51,6 +51,13 @@ class Codec:
     def decode_cancel(self, data: bytes) -> CancelRequest:
         return self._cancel_decoder.decode(data)
 
+    def decode_as(self, data: bytes, kind: type[_T]) -> _T:
+        """Any other message of the contract (the control plane's: rare, so no decoder is
+        kept for it)."""
+        if self.content_type == JSON_CONTENT_TYPE:
+            return msgspec.json.decode(data, type=kind)
+        return msgspec.msgpack.decode(data, type=kind)
+
 
 MSGPACK = Codec(
     MSGPACK_CONTENT_TYPE,

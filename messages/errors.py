@@ -28,6 +28,7 @@ ErrorCode = Literal[
     "client_gone",
     "no_workers",
     "worker_lost",
+    "model_not_found",
 ]
 ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
@@ -64,6 +65,12 @@ ERRORS: dict[str, ErrorKind] = {
     # worker (migration off, its limit reached, or a request it cannot continue).
     "worker_lost": ErrorKind(
         True, False, 503, "service_unavailable", "the worker serving the request went silent"
+    ),
+    # The request's `model` names neither the worker's model nor an adapter it holds. Another
+    # worker may hold the adapter (a router's picture is a moment old): retryable there, and
+    # nothing ran. vLLM's server answers an unknown model 404 NotFoundError.
+    "model_not_found": ErrorKind(
+        True, True, 404, "NotFoundError", "no such model or adapter on this worker"
     ),
 }
 _UNKNOWN = ErrorKind(False, False, 500, "internal_error", "unknown error")

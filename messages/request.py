@@ -135,6 +135,11 @@ class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
 class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    # The model to run, as Dynamo's PreprocessedRequest names it: the worker's served model name
+    # or one of its LoRA adapters (loaded by --lora-modules or at run time). None or the served
+    # name: the base model. Any other name is refused with `model_not_found`, never answered by
+    # the base model.
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     sampling_options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     stop_conditions: StopConditions = msgspec.field(default_factory=StopConditions)
     output_options: OutputOptions = msgspec.field(default_factory=OutputOptions)

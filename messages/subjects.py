@@ -2,7 +2,8 @@
 `<namespace>.<component>.<endpoint>.<instance_id>` for direct routing to one worker, and
 `<namespace>.<component>.<endpoint>.cancel` (every worker, no queue group) for cancellation, and
 `<namespace>.<component>.kv.<endpoint>.{events,snapshot,load}.<instance_id>` for KV-cache routing
-(messages/kv.py)."""
+(messages/kv.py), and `<namespace>.<component>.control.<endpoint>.<instance_id>` for one worker's
+admin commands (messages/control.py)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ class Subjects:
         if instance_id != "*" and not _TOKEN.match(instance_id):
             raise ValueError(f"instance_id {instance_id!r} must be one NATS subject token")
         return f"{self.namespace}.{self.component}.kv.{self.endpoint}.{kind}.{instance_id}"
+
+    def control(self, instance_id: str) -> str:
+        """One worker's admin commands (messages/control.py)."""
+        if not _TOKEN.match(instance_id):
+            raise ValueError(f"instance_id {instance_id!r} must be one NATS subject token")
+        return f"{self.namespace}.{self.component}.control.{self.endpoint}.{instance_id}"
 
     def instance(self, instance_id: str) -> str:
         if not _TOKEN.match(instance_id) or instance_id == CANCEL_TOKEN:

@@ -27,7 +27,7 @@ from bench.vllm_server import VllmOpenAIServer
 from tests.helpers import TEST_MAX_PAYLOAD, TEST_SUBJECTS
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
-from worker.dev.tiny_model import ensure_tiny_model
+from worker.dev.tiny_model import ensure_tiny_lora, ensure_tiny_model
 from worker.metrics import WorkerMetrics
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; models are built locally
@@ -38,6 +38,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; models are bu
 # (2 cores). One thread each, as "auto" gave them, so the arithmetic is the same.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The session's engine and vLLM's server serve LoRA adapters (tests/e2e/test_lora.py). With LoRA
+# on, the base model's tokens and logprobs are bit for bit those without (checked on this engine:
+# 3 prompts x 32 tokens, logprobs 5), so every other comparison is unchanged.
+SESSION_LORA: dict[str, object] = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+SESSION_LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 
 LAYERS = ("unit", "integration", "e2e")
 SESSION_ENGINE_FIXTURES = frozenset({"engine", "worker", "worker_metrics", "vllm_server"})
@@ -128,6 +134,8 @@ def _vllm_server(model: Path) -> VllmOpenAIServer:
             "--enforce-eager", "--max-logprobs", "20", "--seed", "0",
             # tests/e2e/test_frontend_structured.py: tool calls as the frontend's hermes parser
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            # tests/e2e/test_lora.py: the adapter the session's worker loads at run time
+            *SESSION_LORA_FLAGS, "--lora-modules", f"tiny-lora={ensure_tiny_lora()}",
         ]
     )  # fmt: skip
 
@@ -147,6 +155,12 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_lora() -> Path:
+    """A LoRA adapter of the tiny model (seeded random A and B, PEFT's files)."""
+    return ensure_tiny_lora()
+
+
+@pytest.fixture(scope="session")
 def nats_server() -> Iterator[NatsServer]:
     server = NatsServer(max_payload=TEST_MAX_PAYLOAD).start()
     yield server
@@ -161,7 +175,7 @@ async def engine(tiny_model: Path):  # -> VllmEngine
     from worker.engine.vllm_adapter import VllmEngine
 
     vllm_fast_merge.install()  # as worker.process.serve does
-    args = tiny_engine_args(tiny_model)
+    args = tiny_engine_args(tiny_model, **SESSION_LORA)
     kv_events.configure(args)  # as worker.cli.engine_args does (--kv-events is on by default)
     engine = await VllmEngine.start(args)
     yield engine

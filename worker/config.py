@@ -29,9 +29,19 @@ ENVIRONMENT: dict[str, str] = {
     "NATS_TLS_KEY": "tls_key",
     "WORKER_MAX_CONCURRENCY": "max_concurrency",
     "WORKER_METRICS_PORT": "metrics_port",
-    # The frontend's (python -m worker.frontend), named as vLLM's server names it.
+    # The frontend's (python -m worker.frontend), named as vLLM's server names them: the API
+    # key, and the two switches that open vLLM's admin routes (README "Adapters and the fleet").
     "VLLM_API_KEY": "api_key",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "allow_runtime_lora_updating",
+    "VLLM_SERVER_DEV_MODE": "server_dev_mode",
 }
+
+
+def env_flag(value: str | None) -> bool:
+    """A switch as vLLM reads its own (`"1"` or `"true"`, any case)."""
+    return (value or "").strip().lower() in ("1", "true")
+
+
 # Read, not mapped to an option: vLLM's own CPU KV-cache size (GiB); when it is unset on a CPU,
 # the worker sizes the cache by engine argument instead (worker/engine/args.py).
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"

@@ -109,6 +109,11 @@ async def serve(
         try:
             engine = await VllmEngine.start(engine_args(args), client_config)
             try:
+                try:
+                    await engine.admin.load_static(args.lora_modules or [])
+                except ValueError as error:
+                    _say(f"vllm-nats-worker: {error}", sys.stderr)
+                    return 2
                 port = server.server_port if server is not None else None
                 return await _run(args, config, engine, on_ready, stop, live, port)
             finally:

@@ -143,6 +143,7 @@ class RequestService:
         self.stats: dict[str, SubjectStats] = {}
         self._in_flight: dict[asyncio.Task[Outcome], InFlight] = {}
         self._draining = False
+        self._asleep = False
         self._capacity_freed = asyncio.Event()
         self.engine_dead = asyncio.Event()
         self.served = 0
@@ -157,6 +158,16 @@ class RequestService:
         """True once `drain` began: no request is admitted any more."""
         return self._draining
 
+    @property
+    def asleep(self) -> bool:
+        """True while the engine sleeps (vLLM's /sleep): new requests are refused, retryable
+        (`overloaded`), and a work queue's pull waits."""
+        return self._asleep
+
+    def set_asleep(self, asleep: bool) -> None:
+        self._asleep = asleep
+        self._capacity_freed.set()  # a pull waiting for capacity looks again
+
     def stats_data(self) -> dict[str, object]:
         return {
             "in_flight": self.in_flight,
@@ -165,8 +176,8 @@ class RequestService:
         }
 
     async def wait_for_capacity(self, limit: int) -> None:
-        """Returns once fewer than `limit` requests are in flight."""
-        while self.in_flight >= limit:
+        """Returns once fewer than `limit` requests are in flight and the engine is awake."""
+        while self._asleep or self.in_flight >= limit:
             self._capacity_freed.clear()
             await self._capacity_freed.wait()
 
@@ -200,6 +211,8 @@ class RequestService:
         refusal: tuple[ErrorCode, str] | None = None
         if self._draining:
             refusal = ("worker_shutdown", "worker is shutting down: retry on another worker")
+        elif self._asleep:
+            refusal = ("overloaded", "worker is asleep (/sleep): retry on another worker")
         elif limit is not None and self.in_flight >= limit:
             refusal = ("overloaded", f"worker at max_concurrency {limit}: retry on another worker")
         if refusal is not None:

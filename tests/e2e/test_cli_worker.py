@@ -1,6 +1,7 @@
 """One production worker started by its CLI, as a user starts it (`python -m worker` with vLLM
 engine arguments and a metrics port), on the real CPU engine: what it takes from vLLM's
-arguments (`--stream-interval` among them), what an operator sees (the stats line, /health, one
+arguments (`--stream-interval` among them) and from `vllm serve`'s (`--lora-modules`), what an
+operator sees (the stats line, /health, one
 log format), and its engine's death with a request in flight (answered, exit 1). The module's
 tests share the one process (an engine start is ~40 CPU-seconds here) and run in file order: the
 last one ends it. SIGTERM's drain and exit 0 are shown on the --worker-processes worker
@@ -12,6 +13,7 @@ CI runs the module beside the integration layer (second_session): its frames coa
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import time
@@ -25,6 +27,7 @@ import psutil
 import pytest
 
 from messages.codec import MSGPACK
+from messages.control import ControlReply, ControlRequest
 from messages.frames import ResponseFrame
 from messages.subjects import Subjects
 from tests.helpers import (
@@ -56,6 +59,7 @@ PROMPT = [1, 300, 301, 302]
 SUBJECTS = Subjects("cli", "vllm", "generate")
 MAX_MODEL_LEN = 256
 MAX_LOGPROBS = 7
+ADAPTER = "tiny-lora"
 INTERVAL = 4
 # vLLM's text format (after an optional "(process pid=N) " field): level, date, [file:line].
 LOG_PREFIX = (
@@ -77,10 +81,17 @@ class CliWorker:
 
 
 @pytest.fixture(scope="module")
-async def cli_worker(nats_server: NatsServer, tiny_model: Path) -> AsyncIterator[CliWorker]:
+async def cli_worker(
+    nats_server: NatsServer, tiny_model: Path, tiny_lora: Path
+) -> AsyncIterator[CliWorker]:
     proc = await start_cli_worker(
         nats_server.url,
         tiny_model,
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"{ADAPTER}={tiny_lora}",
         "--namespace",
         SUBJECTS.namespace,
         "--instance-id",
@@ -135,6 +146,33 @@ async def test_the_cli_worker_takes_vllms_engine_arguments(
     assert samples[f"nats_worker_requests_total{{{model},outcome=length}}"] == 1
     assert samples[f"nats_worker_errors_total{{code=invalid_request,{model}}}"] == 2
     assert any(name.startswith("vllm:") for name in samples), "vLLM's own metrics are served too"
+
+
+async def test_lora_modules_are_loaded_before_it_serves(
+    cli_worker: CliWorker, client, worker, tiny_lora: Path
+) -> None:
+    """`--lora-modules name=path` (vLLM's flag and parser): the adapter is in discovery from
+    the start and answers as the same adapter loaded at run time into the session's engine."""
+    (info,) = [i for i in await discover(client, "INFO") if i["metadata"]["instance_id"] == "cli1"]
+    assert json.loads(info["metadata"]["adapters"]) == {ADAPTER: str(tiny_lora)}
+    load = ControlRequest(command="load_lora_adapter", lora_name=ADAPTER, lora_path=str(tiny_lora))
+    answer = await client.request(
+        TEST_SUBJECTS.control(worker.instance_id), MSGPACK.encode(load), timeout=60
+    )
+    assert MSGPACK.decode_as(answer.data, ControlReply).error is None
+    try:
+        request = make_request("cli-lora", PROMPT, max_tokens=12, logprobs=3)
+        request.model = ADAPTER
+        ours = await complete(client, request, subject=SUBJECTS.generate)
+        session = await complete(client, request, subject=TEST_SUBJECTS.generate)
+    finally:
+        unload = ControlRequest(command="unload_lora_adapter", lora_name=ADAPTER)
+        await client.request(
+            TEST_SUBJECTS.control(worker.instance_id), MSGPACK.encode(unload), timeout=60
+        )
+    assert ours.choices[0].token_ids == session.choices[0].token_ids
+    for a, b in zip(ours.choices[0].log_probs, session.choices[0].log_probs, strict=True):
+        assert abs(a - b) <= 1e-5
 
 
 async def test_health_and_the_stats_line_while_it_serves(cli_worker: CliWorker, client) -> None:

@@ -48,6 +48,7 @@ def test_every_error_code_has_its_properties_spelled_out() -> None:
             "client_gone",
             "no_workers",
             "worker_lost",
+            "model_not_found",
         }
     )
     assert {c for c in ERROR_CODES if is_retryable(c)} == {
@@ -57,11 +58,13 @@ def test_every_error_code_has_its_properties_spelled_out() -> None:
         "internal_error",
         "no_workers",
         "worker_lost",
+        "model_not_found",
     }
     assert {c for c in ERROR_CODES if is_refusal(c)} == {
         "overloaded",
         "worker_shutdown",
         "no_workers",
+        "model_not_found",
     }
     assert [kind(c).http_status for c in ERROR_CODES] == [
         400,
@@ -73,6 +76,7 @@ def test_every_error_code_has_its_properties_spelled_out() -> None:
         499,
         503,
         503,
+        404,
     ]
     assert all(kind(c).meaning for c in ERROR_CODES)
     assert kind("a-newer-code").http_status == 500 and not is_retryable("a-newer-code")
@@ -84,6 +88,8 @@ def test_jetstream_disposition_follows_the_error_table() -> None:
     assert disposition("engine_error", attempts_left=False) == "term"
     assert disposition("invalid_request", attempts_left=True) == "term"
     assert disposition("client_gone", attempts_left=True) == "term"
+    # Another worker may hold the adapter: redelivered while attempts are left.
+    assert disposition("model_not_found", attempts_left=True) == "nak"
 
 
 def test_worker_exceptions_carry_their_code() -> None:

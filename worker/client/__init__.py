@@ -6,6 +6,7 @@
   stream), discovery of workers;
 - `reader.py`: the one frame reader (seq order, the stop rule, probes skipped; `Inbox`, a reply
   subscription read without a task per message) and `fold`;
+- `fleet.py`: admin commands (adapters, prefix cache, sleep) to every worker of a subject;
 - `__main__.py`: `python -m worker.client`.
 """
 

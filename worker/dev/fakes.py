@@ -28,7 +28,9 @@ from messages.frames import FinishReason, TopLogprob
 from messages.kv import AllCleared, BlockHash, BlocksRemoved, BlocksStored, KvEvent
 from messages.request import GenerateRequest
 from worker.engine.contract import (
+    AdminError,
     ChoiceDelta,
+    EngineAdmin,
     EngineDead,
     EngineFailure,
     EngineLimits,
@@ -113,6 +115,8 @@ class FakePrefixCache:
 
 
 class PacedFakeEngine:
+    admin: EngineAdmin | None = None  # no admin commands (worker/nats/control.py)
+
     def __init__(
         self,
         step_s: float = 0.05,
@@ -193,6 +197,8 @@ class PacedFakeEngine:
 class SyntheticFastEngine:
     """A fake engine for transport benchmarks only: fixed tokens and rows, no model."""
 
+    admin: EngineAdmin | None = None  # no admin commands (worker/nats/control.py)
+
     def __init__(self, yield_every: int = 1) -> None:
         self.yield_every = yield_every
         self.limits = EngineLimits(
@@ -250,6 +256,8 @@ class SyntheticFastEngine:
 class AlwaysFailingFakeEngine:
     """A fake engine (transport-level test only): every request fails as an engine error."""
 
+    admin: EngineAdmin | None = None  # no admin commands (worker/nats/control.py)
+
     def __init__(self) -> None:
         self.limits = EngineLimits(
             model="fake", max_logprobs=20, vocab_size=1024, max_model_len=512
@@ -279,6 +287,48 @@ class AlwaysFailingFakeEngine:
         return None
 
 
+class FakeAdmin:
+    """Admin commands of a fake engine (tests only): adapters in a dict, a sleep flag, and
+    vLLM's server's refusals for a second load of a name and an unknown name."""
+
+    def __init__(self, base: str = "scripted-fake") -> None:
+        self.base = base
+        self.loaded: dict[str, str] = {}
+        self.sleeping = False
+        self.resets = 0
+
+    def adapters(self) -> dict[str, str]:
+        return dict(self.loaded)
+
+    async def load_adapter(self, name: str, path: str, *, load_inplace: bool = False) -> None:
+        if name == self.base:
+            raise AdminError(
+                "invalid_request", f"The lora adapter '{name}' conflicts with a served base model."
+            )
+        if name in self.loaded and not load_inplace:
+            raise AdminError(
+                "invalid_request", f"The lora adapter '{name}' has already been loaded."
+            )
+        self.loaded[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.loaded.pop(name, None) is None:
+            raise AdminError("model_not_found", f"The lora adapter '{name}' cannot be found.")
+
+    async def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        return True
+
+    async def sleep(self, level: int) -> None:
+        self.sleeping = True
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        self.sleeping = False
+
+    async def is_sleeping(self) -> bool:
+        return self.sleeping
+
+
 class ScriptedFakeEngine:
     """A fake engine (tests only) that streams the same written steps for every request, one
     every `step_s`, then raises `then_raise` if given (e.g. EngineFailure, EngineDead) or ends.
@@ -287,6 +337,8 @@ class ScriptedFakeEngine:
     and how many streams were closed before their end (`closed_early`: the session aborted the
     engine request). `dead`, when set, is what `check_health` raises.
     """
+
+    admin: EngineAdmin | None = None  # no admin commands (worker/nats/control.py)
 
     def __init__(
         self,

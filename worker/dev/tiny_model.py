@@ -163,9 +163,82 @@ def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     return cached_build(target, build, "the tiny demo model")
 
 
-def cached_build(target: Path, make: Callable[[Path], None], what: str) -> Path:
-    """`target`, made by `make(directory)` unless a model is there already."""
-    if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+# The LoRA adapter's shape: every projection of every layer, rank 8 (vLLM's --max-lora-rank
+# default is 16). Its B is random, not zero as in a fresh PEFT adapter, so that it changes the
+# model's answers; LORA_SCALE makes the change large enough to move greedy tokens.
+LORA_RANK = 8
+LORA_ALPHA = 16
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_SCALE = 0.5
+
+
+def build_lora(target: Path, base: Path, seed: int = 1) -> None:
+    """A LoRA adapter of the tiny model in PEFT's file format (adapter_config.json and
+    adapter_model.safetensors, the names PEFT's save_pretrained writes), random A and B."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base)
+    hidden, inner = config.hidden_size, config.intermediate_size
+    head_dim = hidden // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    shapes = {  # (in, out) of each projection
+        "q_proj": (hidden, hidden),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (hidden, hidden),
+        "gate_proj": (hidden, inner),
+        "up_proj": (hidden, inner),
+        "down_proj": (inner, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for name in LORA_TARGETS:
+            fan_in, fan_out = shapes[name]
+            part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            a = torch.randn(LORA_RANK, fan_in, generator=generator) / fan_in**0.5
+            b = torch.randn(fan_out, LORA_RANK, generator=generator) * LORA_SCALE
+            tensors[f"{key}.lora_A.weight"] = a.contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.contiguous()
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": LORA_RANK,
+        "lora_alpha": LORA_ALPHA,
+        "lora_dropout": 0.0,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (target / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+
+
+def ensure_tiny_lora(cache_dir: Path | None = None, seed: int = 1) -> Path:
+    """Path of a cached LoRA adapter of the tiny model (`seed` picks its weights)."""
+    base = ensure_tiny_model(cache_dir)
+    target = base.parent / f"tiny-llama-v{RECIPE_VERSION}-lora-{seed}"
+    return cached_build(
+        target,
+        lambda directory: build_lora(directory, base, seed),
+        "a LoRA adapter of the tiny model",
+        marker="adapter_config.json",
+    )
+
+
+def cached_build(
+    target: Path, make: Callable[[Path], None], what: str, *, marker: str = "config.json"
+) -> Path:
+    """`target`, made by `make(directory)` unless it is there already (its `marker` file; a
+    model's tokenizer.json too)."""
+    done = (target / marker).exists()
+    if done and (marker != "config.json" or (target / "tokenizer.json").exists()):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building %s in %s", what, target)

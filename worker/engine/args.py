@@ -98,8 +98,27 @@ def add_engine_args(parser: argparse.ArgumentParser, own_groups: tuple[str, ...]
 
     AsyncEngineArgs.add_cli_args(parser)
     parser.set_defaults(model=None)  # required by the worker's CLI, not vLLM's hub default
+    # `vllm serve`'s --lora-modules is a front-end flag, not an engine argument: taken here with
+    # vLLM's own parser action (name=path, or JSON with base_model_name).
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action=_lora_parser_action(),
+        default=None,
+        help="LoRA adapters loaded at start, as in `vllm serve`: name=path or JSON "
+        '{"name": ..., "path": ...}; a request names one in its `model` (needs --enable-lora)',
+    )
     # argparse prints groups in this list's order (a stable sort keeps vLLM's own order).
     parser._action_groups.sort(key=lambda group: group.title not in own_groups)
+
+
+def _lora_parser_action() -> type[argparse.Action]:
+    """vLLM's LoRAParserAction, which moved between the releases this worker runs on."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import LoRAParserAction  # vLLM 0.32+
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import LoRAParserAction  # type: ignore[no-redef,import-not-found,unused-ignore]
+    return LoRAParserAction  # type: ignore[no-any-return]
 
 
 def engine_args(args: argparse.Namespace, *, dev_model: Path | None = None) -> Any:

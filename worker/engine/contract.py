@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from messages.errors import ErrorCode
 from messages.frames import FinishReason, TopLogprob
 from messages.kv import KvEvent
 from messages.request import GenerateRequest
@@ -32,6 +33,25 @@ class EngineFailure(WorkerError, RuntimeError):
     """The engine failed this request (it may still serve others)."""
 
     code = "engine_error"
+
+
+class ModelNotFound(WorkerError, LookupError):
+    """The request's `model` is neither the engine's model nor an adapter it holds."""
+
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model: The model `{model}` does not exist.")  # vLLM's words
+        self.model = model
+
+
+class AdminError(RuntimeError):
+    """An admin command the engine refused or failed, with the error code that says which
+    (`invalid_request`, `model_not_found`, `engine_error`) and vLLM's message."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.error_code: ErrorCode = code
 
 
 class EngineDead(WorkerError, RuntimeError):
@@ -102,8 +122,34 @@ class KvEventSource(Protocol):
         ...
 
 
+class EngineAdmin(Protocol):
+    """What a fleet's control plane asks of an engine: vLLM's admin routes (LoRA adapters, the
+    prefix cache, sleep). Each raises AdminError for what the engine refuses."""
+
+    def adapters(self) -> dict[str, str]:
+        """The adapters the engine holds: name → the path it was loaded from."""
+        ...
+
+    async def load_adapter(self, name: str, path: str, *, load_inplace: bool = False) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """False when the engine could not (requests still hold cached blocks)."""
+        ...
+
+    async def sleep(self, level: int) -> None: ...
+
+    async def wake_up(self, tags: list[str] | None) -> None: ...
+
+    async def is_sleeping(self) -> bool: ...
+
+
 class Engine(Protocol):
     limits: EngineLimits
+    # None: the engine has no admin commands (the transport tests' fakes); the control plane
+    # answers them with an error.
+    admin: EngineAdmin | None
 
     def generate(
         self, request: GenerateRequest, engine_request_id: str

@@ -31,6 +31,7 @@ from messages.frames import FinishReason
 from messages.request import GenerateRequest
 from worker.config import ENGINE_EXIT_GRACE_S
 from worker.engine import logprobs, reaper, scaleout, structured_outputs
+from worker.engine.admin import VllmAdmin
 from worker.engine.contract import (
     ChoiceDelta,
     EngineDead,
@@ -111,11 +112,13 @@ class VllmEngine:
         table: TokenTable,
         limits: EngineLimits,
         scheduler: SchedulerLoad | None = None,
+        base_names: frozenset[str] | None = None,
     ) -> None:
         self._llm = llm
         self.table = table
         self.limits = limits
         self._scheduler = scheduler
+        self.admin = VllmAdmin(llm, base_names or frozenset({limits.model}))
         # sampling_options.guided_decoding → vLLM's StructuredOutputsParams (per engine backend).
         self.structured = structured_outputs.StructuredOutputs(
             structured_outputs.engine_backend(llm)
@@ -155,7 +158,11 @@ class VllmEngine:
             engine=f"vllm {vllm_version}",
         )
         table = TokenTable.from_tokenizer(tokenizer, vocab_size)
-        engine = cls(llm, table, limits, scheduler)
+        # The names a request's `model` may give for the base model: every --served-model-name
+        # (vLLM's server serves them all), else the model's path.
+        served = engine_args.served_model_name or engine_args.model
+        names = frozenset([served] if isinstance(served, str) else served)
+        engine = cls(llm, table, limits, scheduler, names | {limits.model})
         await engine._warm_up()
         log.info("engine ready: %s", limits)
         return engine
@@ -237,6 +244,7 @@ class VllmEngine:
     async def generate(
         self, request: GenerateRequest, engine_request_id: str
     ) -> AsyncGenerator[EngineStep, None]:
+        lora = self.admin.lora_request(request.model)
         params = self.sampling_params(request)
         try:
             prompt = self._prompt(list(request.token_ids))
@@ -249,7 +257,7 @@ class VllmEngine:
         k = request.output_options.logprobs
         prompt_done = want_prompt is None
         seam = self._seam_stops(request)
-        outputs = self._llm.generate(prompt, params, engine_request_id)
+        outputs = self._llm.generate(prompt, params, engine_request_id, lora_request=lora)
         first = True
         try:
             while True:

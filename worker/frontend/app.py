@@ -18,7 +18,7 @@ from worker import __version__
 from worker.frontend.errors import OpenAIError, validation_error
 from worker.frontend.gate import Gate
 from worker.frontend.metrics import FrontendMetrics
-from worker.frontend.routes import ROUTERS
+from worker.frontend.routes import ROUTERS, admin_routers
 from worker.frontend.service import FrontendService
 from worker.frontend.settings import FrontendSettings
 from worker.frontend.tokenizer import ModelTokenizer
@@ -76,6 +76,6 @@ def create_app(
     app.add_middleware(Gate, settings=settings, metrics=service.metrics)
     app.add_exception_handler(RequestValidationError, on_invalid_body)
     app.add_exception_handler(OpenAIError, on_openai_error)
-    for router in ROUTERS:
+    for router in (*ROUTERS, *admin_routers(settings)):
         app.include_router(router)
     return app

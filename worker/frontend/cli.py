@@ -12,7 +12,13 @@ import sys
 import tempfile
 
 from worker.client.router import ROUTING_MODES
-from worker.config import at_least_one, default, environment, share_metrics_with_children
+from worker.config import (
+    at_least_one,
+    default,
+    env_flag,
+    environment,
+    share_metrics_with_children,
+)
 from worker.frontend.settings import FrontendSettings
 from worker.shared.nats_options import LOCAL_URL, add_nats_arguments, nats_config
 
@@ -156,6 +162,8 @@ def settings_of(args: argparse.Namespace) -> FrontendSettings:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        allow_runtime_lora_updating=env_flag(environment().get("allow_runtime_lora_updating")),
+        server_dev_mode=env_flag(environment().get("server_dev_mode")),
     )
 
 

@@ -15,7 +15,7 @@ floored at -9999.0 as vLLM's server does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,6 +339,22 @@ def model_list(names: Sequence[str], root: str, max_model_len: int | None) -> di
             for name in names
         ],
     }
+
+
+def adapter_cards(adapters: Mapping[str, str], parent: str) -> list[dict[str, Any]]:
+    """`/v1/models`' cards of LoRA adapters (name → path), as vLLM's server lists them."""
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "vllm-nats-worker",
+            "root": path,
+            "parent": parent,
+            "max_model_len": None,
+        }
+        for name, path in sorted(adapters.items())
+    ]
 
 
 def tokenize_body(

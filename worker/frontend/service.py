@@ -21,9 +21,10 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from messages.control import ControlReply, ControlRequest
 from messages.frames import ResponseFrame
 from messages.request import GenerateRequest, GuidedDecoding
-from worker.client import KvRouter, find_worker, generate, jetstream_stream, subjects_of
+from worker.client import KvRouter, find_worker, fleet, generate, jetstream_stream, subjects_of
 from worker.frontend import sse
 from worker.frontend.answers import Answer
 from worker.frontend.errors import (
@@ -148,6 +149,40 @@ class FrontendService:
         if await self.worker_metadata(timeout) is None:
             return f"no worker of {self.settings.subject} answered within {timeout} s"
         return None
+
+    async def members(self) -> list[fleet.Member]:
+        """The workers of the subject that answer discovery (each with its adapters)."""
+        nc = self.connection()
+        return await fleet.members(
+            nc, self.settings.subject, window=self.settings.discovery_window_s
+        )
+
+    async def adapters(self) -> dict[str, str]:
+        """The LoRA adapters some worker of the subject holds: name → path."""
+        if self.connected() is None:
+            return {}
+        return {name: path for m in await self.members() for name, path in m.adapters.items()}
+
+    async def served_model(self, name: str | None) -> tuple[str, str | None]:
+        """The name a response carries and the adapter the wire's `model` names (None: the base
+        model). An adapter is one that a worker of the subject holds now (discovery); any other
+        name is a 404, never answered by the base model."""
+        if name is None or name in self.settings.model_names:
+            return self.served_name(name), None
+        if name in await self.adapters():
+            return name, name
+        raise unknown_model(name)
+
+    async def command_all(self, request: ControlRequest) -> list[ControlReply]:
+        """An admin command to every worker of the subject; each one's answer."""
+        nc = self.connection()
+        return await fleet.command_all(
+            nc,
+            self.settings.subject,
+            request,
+            window=self.settings.discovery_window_s,
+            timeout=self.settings.timeout_s,
+        )
 
     def served_name(self, name: str | None) -> str:
         """The name a response carries: the one asked for, or the first served one (vLLM's

@@ -62,6 +62,12 @@ class FrontendSettings:
     (as in vLLM). Needs vllm installed (worker/frontend/vllm_parsers.py)."""
     enable_auto_tool_choice: bool = False
     """`--enable-auto-tool-choice`: `tool_choice: auto` (the default with tools) is served."""
+    allow_runtime_lora_updating: bool = False
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM's server: `/v1/load_lora_adapter` and
+    `/v1/unload_lora_adapter` exist only when it is set (else 404)."""
+    server_dev_mode: bool = False
+    """VLLM_SERVER_DEV_MODE, as in vLLM's server: `/reset_prefix_cache`, `/sleep`, `/wake_up`
+    and `/is_sleeping` exist only when it is set (else 404)."""
     reasoning_parser: str | None = None
     """vLLM's reasoning parser by name (`--reasoning-parser`): the answer's reasoning is split
     into the message's `reasoning` field. Needs vllm installed."""

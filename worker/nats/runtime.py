@@ -1,7 +1,7 @@
 """The worker on NATS, start to exit: the request service (worker/service.py) held beside its
 intake (core or JetStream, picked by `make_intake`), the liveness prober and the frames'
-`Reply` (liveness.py), the cancel subscription, discovery (the micro protocol, discovery.py)
-and, in core mode, the KV publisher.
+`Reply` (liveness.py), the cancel subscription, discovery (the micro protocol, discovery.py),
+the control plane (admin commands, control.py) and, in core mode, the KV publisher.
 
 `WorkerRuntime.run` is the one lifecycle both modes share: wait for a stop, a dead engine or a
 failed intake; then drain; then stop. The command (worker/process.py), the tests and the
@@ -11,6 +11,7 @@ benchmarks build workers the same way: `open_worker`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from messages.subjects import SERVICE_NAME
 from worker.config import WorkerConfig
 from worker.engine.contract import Engine
 from worker.metrics import WorkerMetrics
+from worker.nats.control import Control
 from worker.nats.discovery import Discovery
 from worker.nats.intake import Intake, make_intake
 from worker.nats.kv_publisher import KvPublisher
@@ -61,6 +63,7 @@ class WorkerRuntime:
         )
         self.intake: Intake = make_intake(config, self.service, nc, self.liveness)
         self.discovery: Discovery | None = None
+        self.control: Control | None = None
         self.kv: KvPublisher | None = None
         self._owns_connection = owns_connection
         self._cancel_subscription: Subscription | None = None
@@ -109,6 +112,14 @@ class WorkerRuntime:
             self.nc, metadata, self.intake.endpoints, self._subject_stats, service.stats_data
         )
         await self.discovery.start()
+        self.control = Control(
+            self.nc,
+            config.subjects.control(config.instance_id),
+            config.instance_id,
+            service,
+            self._adapters_changed,
+        )
+        await self.control.start()
         await flush_ordered(self.nc)
         log.info("serving %s as %s id %s", serving, SERVICE_NAME, self.discovery.id)
 
@@ -147,6 +158,10 @@ class WorkerRuntime:
                 task.cancel()
             await self.stop()
 
+    def _adapters_changed(self, adapters: dict[str, str]) -> None:
+        if self.discovery is not None:
+            self.discovery.metadata["adapters"] = json.dumps(adapters, sort_keys=True)
+
     def _subject_stats(self, subject: str) -> SubjectStats:
         return self.service.stats.get(subject) or SubjectStats()
 
@@ -156,6 +171,10 @@ class WorkerRuntime:
         optional: dict[str, str] = {}
         if self.config.engine_id:
             optional["engine_id"] = self.config.engine_id
+        admin = self.service.engine.admin
+        if admin is not None:
+            # The LoRA adapters it holds, name → path, as JSON (kept current by `control`).
+            optional["adapters"] = json.dumps(admin.adapters(), sort_keys=True)
         if self.kv is not None:
             # Which process answers KV snapshots: a router asks no other (kv_publisher.py).
             optional["kv_events"] = "published" if self.kv.source is not None else "load-only"
@@ -196,6 +215,8 @@ class WorkerRuntime:
             return
         self._stopped = True
         await self.drain(0.0)
+        if self.control is not None:
+            await self.control.stop()
         if self.kv is not None:
             await self.kv.stop()
         for task in (self._prober, self._heart):

@@ -4,6 +4,8 @@ calls the FrontendService (`app.state.service`) and the pure shaping functions, 
 - `completions.py`: `/v1/completions`; `chat.py`: `/v1/chat/completions`;
 - `models.py`: `/v1/models`; `tokenize.py`: vLLM's `/tokenize` and `/detokenize`;
 - `system.py`: `/health`, `/metrics`, `/version`;
+- `admin.py`: vLLM's admin routes (LoRA adapters, prefix cache, sleep), to every worker,
+  mounted only behind vLLM's switches (`admin_routers`);
 - `common.py`: the service dependency and the answer as a JSON body or an SSE stream.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from worker.frontend.routes.admin import admin_routers
 from worker.frontend.routes.chat import router as chat
 from worker.frontend.routes.completions import router as completions
 from worker.frontend.routes.models import router as models
@@ -18,3 +21,5 @@ from worker.frontend.routes.system import router as system
 from worker.frontend.routes.tokenize import router as tokenize
 
 ROUTERS: tuple[APIRouter, ...] = (system, models, tokenize, completions, chat)
+
+__all__ = ["ROUTERS", "admin_routers"]

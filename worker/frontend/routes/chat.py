@@ -20,7 +20,7 @@ router = APIRouter()
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, service: Service
 ) -> JSONResponse | StreamingResponse:
-    model = service.served_name(body.model)
+    model, adapter = await service.served_model(body.model)
     plan = service.chat_plan(body)
     prompt_ids = encode_messages(
         service.tokenizer,
@@ -37,4 +37,5 @@ async def chat_completions(
     )
     guided = None if plan is None else plan.guided
     generate_request = chat_request(body, request_id, prompt_ids, guided)
+    generate_request.model = adapter
     return await respond(service, request, body, answer, [generate_request])

@@ -19,7 +19,7 @@ router = APIRouter()
 async def completions(
     body: CompletionRequest, request: Request, service: Service
 ) -> JSONResponse | StreamingResponse:
-    model = service.served_name(body.model)
+    model, adapter = await service.served_model(body.model)
     prompts = encode_prompts(service.tokenizer, body.prompts, body.batched)
     request_id = new_request_id("cmpl")
     service.log_accepted(request_id, model, body.user, len(prompts))
@@ -27,4 +27,6 @@ async def completions(
     answer = CompletionAnswer(envelope, service.tokenizer, prompts, body)
     guided = service.completion_guided(body)
     generate_requests = completion_requests(body, request_id, prompts, guided)
+    for generate_request in generate_requests:
+        generate_request.model = adapter
     return await respond(service, request, body, answer, generate_requests)
