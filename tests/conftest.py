@@ -39,11 +39,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; models are bu
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The session's engine and vLLM's server serve LoRA adapters (tests/e2e/test_lora.py). With LoRA
-# on, the base model's tokens and logprobs are bit for bit those without (checked on this engine:
-# 3 prompts x 32 tokens, logprobs 5), so every other comparison is unchanged.
-SESSION_LORA: dict[str, object] = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
-SESSION_LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+# vLLM's server serves LoRA adapters too, for the CLI worker's (tests/e2e/test_cli_worker.py).
+# With LoRA on, the base model's tokens and logprobs are bit for bit those without (checked on
+# this engine: 3 prompts x 32 tokens, logprobs 5), so every other comparison is unchanged. The
+# session's engine has no LoRA: vLLM 0.32's CPU engine with LoRA on dies on a batch of requests
+# with prompt logprobs (worker/engine/vllm_adapter.py refuses those), which other tests send.
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 
 LAYERS = ("unit", "integration", "e2e")
 SESSION_ENGINE_FIXTURES = frozenset({"engine", "worker", "worker_metrics", "vllm_server"})
@@ -134,8 +135,9 @@ def _vllm_server(model: Path) -> VllmOpenAIServer:
             "--enforce-eager", "--max-logprobs", "20", "--seed", "0",
             # tests/e2e/test_frontend_structured.py: tool calls as the frontend's hermes parser
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            # tests/e2e/test_lora.py: the adapter the session's worker loads at run time
-            *SESSION_LORA_FLAGS, "--lora-modules", f"tiny-lora={ensure_tiny_lora()}",
+            # tests/e2e/test_cli_worker.py: the adapters its worker loads, at start and later
+            *LORA_FLAGS, "--lora-modules", f"tiny-lora={ensure_tiny_lora(seed=1)}",
+            f"tiny-lora-2={ensure_tiny_lora(seed=2)}",
         ]
     )  # fmt: skip
 
@@ -157,7 +159,13 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_lora() -> Path:
     """A LoRA adapter of the tiny model (seeded random A and B, PEFT's files)."""
-    return ensure_tiny_lora()
+    return ensure_tiny_lora(seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_2() -> Path:
+    """A second one (another seed), loaded at run time."""
+    return ensure_tiny_lora(seed=2)
 
 
 @pytest.fixture(scope="session")
@@ -175,7 +183,7 @@ async def engine(tiny_model: Path):  # -> VllmEngine
     from worker.engine.vllm_adapter import VllmEngine
 
     vllm_fast_merge.install()  # as worker.process.serve does
-    args = tiny_engine_args(tiny_model, **SESSION_LORA)
+    args = tiny_engine_args(tiny_model)
     kv_events.configure(args)  # as worker.cli.engine_args does (--kv-events is on by default)
     engine = await VllmEngine.start(args)
     yield engine

@@ -173,6 +173,7 @@ async def _doomed_worker(
                 await nc.close()
 
 
+@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
 async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
     engine, nats_server, tiny_model, undisturbed
 ) -> None:
@@ -193,6 +194,7 @@ async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
         _report_stalls(doomed.streams, killed_at, "")
 
 
+@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
 async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_none(
     engine, nats_server, tiny_model, undisturbed
 ) -> None:

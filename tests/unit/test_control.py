@@ -1,6 +1,7 @@
 """The worker's control plane (worker/nats/control.py) without a server: each admin command on
 an in-memory admin, its one reply by the wire's names, a bad payload answered `invalid_request`,
-and a sleeping worker refusing new requests retryably (real engine: tests/e2e/test_lora.py)."""
+and a sleeping worker refusing new requests retryably (real engine: tests/e2e/test_cli_worker.py,
+tests/e2e/test_admin_routes.py)."""
 
 from __future__ import annotations
 

@@ -103,6 +103,17 @@ def _input_error(error: BaseException) -> BaseException | None:
     return None
 
 
+def _prompt_logprobs_kill_the_engine(llm: AsyncLLM) -> bool:
+    """vLLM 0.32's CPU LoRA kernels (punica_cpu's `add_lora_logits`) size the prompt logits'
+    adapter indices for the sampled tokens only: with LoRA on, two requests with prompt logprobs
+    in one step raise in the model runner and the engine core dies (reproduced here; reported
+    upstream in the closing note). Such requests are refused instead, where that holds."""
+    from vllm.platforms import current_platform
+
+    lora_on = getattr(llm.vllm_config, "lora_config", None) is not None
+    return lora_on and current_platform.is_cpu() and vllm_version.startswith("0.32.")
+
+
 class VllmEngine:
     """One AsyncLLM plus what is derived from it once: limits and the token table."""
 
@@ -119,6 +130,7 @@ class VllmEngine:
         self.limits = limits
         self._scheduler = scheduler
         self.admin = VllmAdmin(llm, base_names or frozenset({limits.model}))
+        self._no_prompt_logprobs = _prompt_logprobs_kill_the_engine(llm)
         # sampling_options.guided_decoding → vLLM's StructuredOutputsParams (per engine backend).
         self.structured = structured_outputs.StructuredOutputs(
             structured_outputs.engine_backend(llm)
@@ -245,6 +257,12 @@ class VllmEngine:
         self, request: GenerateRequest, engine_request_id: str
     ) -> AsyncGenerator[EngineStep, None]:
         lora = self.admin.lora_request(request.model)
+        if self._no_prompt_logprobs and request.output_options.prompt_logprobs is not None:
+            raise InvalidRequest(
+                "output_options.prompt_logprobs",
+                "not served by this worker: with --enable-lora, vLLM 0.32's CPU engine dies on a "
+                "batch of requests with prompt logprobs",
+            )
         params = self.sampling_params(request)
         try:
             prompt = self._prompt(list(request.token_ids))
