@@ -608,7 +608,6 @@ async def test_openai_client_breaking_out_frees_the_engine(frontend, worker, eng
     await wait_engine_idle(engine, worker, within=2.0)
 
 
-@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
 async def test_killed_frontend_process_frees_the_engine(
     worker, engine, nats_server, tiny_model, worker_metrics
 ) -> None:
@@ -662,7 +661,6 @@ async def test_killed_frontend_process_frees_the_engine(
             process.wait()
 
 
-@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
 async def test_frontend_processes_share_one_port_and_stop_as_one(
     worker, nats_server, tiny_model
 ) -> None:

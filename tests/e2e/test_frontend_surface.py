@@ -384,7 +384,6 @@ async def test_api_key_guards_v1_only(frontend_of, tiny_model) -> None:
         assert (await http.get(url + "/version")).status_code == 200
 
 
-@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
 async def test_cli_frontend_processes_sum_metrics_and_take_the_key_from_env(
     worker, nats_server, tiny_model
 ) -> None:

@@ -242,7 +242,6 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
         await doomed.ended_as_one(family)
 
 
-@pytest.mark.second_session  # CI: beside the integration layer, to even the jobs out
 async def test_a_rolling_restart_under_load_ends_no_request_in_error(
     engine, nats_server, tiny_model
 ) -> None:
