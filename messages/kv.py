@@ -79,6 +79,9 @@ class LoadReport(msgspec.Struct, frozen=True):
     kv_usage: float | None = None
     engine_id: str | None = None
     """The engine core this instance shares with others (`--worker-processes`); None: its own."""
+    adapters: list[str] | None = None
+    """The LoRA adapters it holds now (a router sends an adapter's requests only where it is);
+    None where the engine has no adapters to report."""
 
     @property
     def full(self) -> bool:

@@ -30,6 +30,7 @@ import pytest
 from messages.codec import MSGPACK
 from messages.control import ControlReply, ControlRequest
 from messages.frames import ResponseFrame
+from messages.kv import LoadReport
 from messages.subjects import Subjects
 from tests.helpers import (
     STATS_LINE,
@@ -202,11 +203,18 @@ async def test_lora_adapters_answer_as_vllms_server_and_an_unloaded_one_is_not_f
     refused `model_not_found`, never answered by the base model."""
     (info,) = [i for i in await discover(client, "INFO") if i["metadata"]["instance_id"] == "cli1"]
     assert json.loads(info["metadata"]["adapters"]) == {ADAPTER: str(tiny_lora)}
+    loads = await client.subscribe(SUBJECTS.kv("load", "cli1"))
     loaded = await command(
         client, command="load_lora_adapter", lora_name=ADAPTER_2, lora_path=str(tiny_lora_2)
     )
     assert loaded.error is None, loaded.error
     assert loaded.adapters == {ADAPTER: str(tiny_lora), ADAPTER_2: str(tiny_lora_2)}
+    # Its load reports name it within a report interval (what a KV router routes an adapter by).
+    reported: list[str] | None = None
+    while reported != [ADAPTER, ADAPTER_2]:
+        msg = await loads.next_msg(timeout=10)
+        reported = msgspec.msgpack.decode(msg.data, type=LoadReport).adapters
+    await loads.unsubscribe()
     again = await command(
         client, command="load_lora_adapter", lora_name=ADAPTER_2, lora_path=str(tiny_lora_2)
     )

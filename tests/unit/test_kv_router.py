@@ -84,9 +84,17 @@ async def report(
     draining: bool = False,
     kv_seq: int = -1,
     engine_id: str | None = None,
+    adapters: list[str] | None = None,
 ) -> None:
     load = LoadReport(
-        instance_id, epoch, in_flight, max_concurrency, draining, kv_seq, engine_id=engine_id
+        instance_id,
+        epoch,
+        in_flight,
+        max_concurrency,
+        draining,
+        kv_seq,
+        engine_id=engine_id,
+        adapters=adapters,
     )
     await router._on_load(Msg(SUBJECTS.kv("load", instance_id), KV_ENCODER.encode(load)))
 
@@ -466,3 +474,25 @@ async def test_a_discovered_workers_snapshot_seeds_its_index() -> None:
     assert overlap(router, CHAT_A).overlap_blocks == 6
     await batch(router, "w1", 5, BlocksRemoved([1]), epoch="e7")  # the next batch applies
     assert overlap(router, CHAT_A).overlap_blocks == 0
+
+
+async def test_an_adapters_requests_go_only_to_workers_that_report_holding_it() -> None:
+    """LoadReport `adapters`: a request naming a LoRA adapter goes to a worker that holds it,
+    busier or not; one nobody holds goes to the queue group (a worker without it refuses
+    `model_not_found`, retried elsewhere); the base model's may go anywhere."""
+    router = router_on()
+    await report(router, "w-lora", in_flight=5, adapters=["tiny-lora"])
+    await report(router, "w-base", in_flight=0, adapters=[])
+    assert overlap(router, CHAT_A).instance_id == "w-base"  # the least busy, for the base model
+    held = router.route(CHAT_A, "tiny-lora")
+    assert (held.subject, held.instance_id) == (SUBJECTS.instance("w-lora"), "w-lora")
+    router.release(held)
+    assert router.route(CHAT_A, "nobody-has-it") == Route(None)
+    await report(router, "w-base", in_flight=0, adapters=["tiny-lora"])  # loaded there too
+    assert overlap_for(router, CHAT_A, "tiny-lora").instance_id == "w-base"
+
+
+def overlap_for(router: KvRouter, tokens: list[int], adapter: str) -> Route:
+    route = router.route(tokens, adapter)
+    router.release(route)
+    return route

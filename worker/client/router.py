@@ -191,7 +191,10 @@ class KvRouter:
 
     # --- routing -------------------------------------------------------------------------
 
-    def route(self, token_ids: Sequence[int]) -> Route:
+    def route(self, token_ids: Sequence[int], adapter: str | None = None) -> Route:
+        """The engine for a prompt; `adapter`: a LoRA adapter the request names, which only
+        engines that report holding it may take (none does: the queue group, where a worker
+        without it refuses `model_not_found` and the client retries on the others)."""
         if self.mode == "queue":
             return Route(None)
         now = time.monotonic()
@@ -211,6 +214,10 @@ class KvRouter:
         for engine_id, views in processes.items():
             engine = self._engine(engine_id)
             if not self._may_take(engine, views):
+                continue
+            if adapter is not None and not any(
+                adapter in (v.load.adapters or ()) for v in views if v.load
+            ):
                 continue
             overlap = 0
             if self.mode == "kv":

@@ -220,7 +220,7 @@ class FrontendService:
             return frames, None
         subject, release = settings.subject, None
         if self.router is not None:
-            route = self.router.route(request.token_ids)
+            route = self.router.route(request.token_ids, request.model)
             release = functools.partial(self.router.release, route)
             subject = route.subject or subject
             self.metrics.count_route(route)

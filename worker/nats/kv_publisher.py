@@ -210,6 +210,7 @@ class KvPublisher:
             engine.waiting if engine else None,
             engine.kv_usage if engine else None,
             self.engine_id,
+            sorted(admin.adapters()) if (admin := self.engine.admin) is not None else None,
         )
 
     async def publish_load(self) -> None:

@@ -1,0 +1,76 @@
+"""The control plane across a fleet on a real nats-server (fake engines with in-memory admins):
+`worker.client.fleet` reaches every worker of a subject, in core and JetStream mode, and reports
+each answer, a silent one included; a worker started after a load adopts the adapter from its
+peers' discovery; discovery and load reports name the adapters. (The real engine's adapters:
+tests/e2e/test_cli_worker.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from messages.control import ControlRequest
+from messages.subjects import Subjects
+from tests.helpers import discover
+from tests.integration.conftest import paced, queue_settings
+from worker.client import fleet
+from worker.config import JetStreamSettings
+from worker.dev.fakes import FakeAdmin, PacedFakeEngine
+
+pytestmark = pytest.mark.integration
+
+
+def admin_engine(admin: FakeAdmin) -> PacedFakeEngine:
+    engine = paced()
+    engine.admin = admin
+    return engine
+
+
+async def test_a_load_reaches_every_worker_and_a_later_worker_adopts_it(
+    fake_worker, client
+) -> None:
+    subjects = Subjects("fleet", "vllm", "generate")
+    first, second = FakeAdmin("paced-fake"), FakeAdmin("paced-fake")
+    await fake_worker(subjects, admin_engine(first), instance_id="f1")
+    await fake_worker(subjects, admin_engine(second), instance_id="f2")
+    load = ControlRequest(command="load_lora_adapter", lora_name="a", lora_path="/adapters/a")
+    replies = await fleet.command_all(client, subjects.generate, load)
+    assert sorted(r.instance_id for r in replies) == ["f1", "f2"]
+    assert all(r.error is None and r.adapters == {"a": "/adapters/a"} for r in replies)
+    again = await fleet.command_all(client, subjects.generate, load)
+    assert {r.error.code for r in again if r.error} == {"invalid_request"} and len(again) == 2
+
+    infos = {i["metadata"]["instance_id"]: i for i in await discover(client, "INFO")}
+    assert json.loads(infos["f1"]["metadata"]["adapters"]) == {"a": "/adapters/a"}
+
+    late = FakeAdmin("paced-fake")
+    await fake_worker(subjects, admin_engine(late), instance_id="f3")
+    assert late.loaded == {"a": "/adapters/a"}  # before it took any request
+    members = await fleet.members(client, subjects.generate)
+    assert {m.instance_id: m.adapters for m in members} == {
+        "f1": {"a": "/adapters/a"},
+        "f2": {"a": "/adapters/a"},
+        "f3": {"a": "/adapters/a"},
+    }
+    off = FakeAdmin("paced-fake")
+    await fake_worker(subjects, admin_engine(off), instance_id="f4", adopt_adapters=False)
+    assert off.loaded == {}
+
+
+async def test_the_fleet_reaches_jetstream_workers_and_reports_a_silent_one(
+    fake_worker, client
+) -> None:
+    subjects = Subjects("fleetjs", "vllm", "generate")
+    admin = FakeAdmin("paced-fake")
+    settings = queue_settings(JetStreamSettings(), capacity=4)
+    await fake_worker(subjects, admin_engine(admin), instance_id="q1", **settings)
+    replies = await fleet.command_all(client, subjects.generate, ControlRequest(command="sleep"))
+    assert [(r.instance_id, r.error, r.is_sleeping) for r in replies] == [("q1", None, True)]
+    assert admin.sleeping
+    # One that does not answer in time is reported, never skipped.
+    silent = await fleet.command(
+        client, subjects, "nobody", ControlRequest(command="is_sleeping"), timeout=0.5
+    )
+    assert silent.error is not None and silent.error.code == "worker_lost"
+    assert silent.error.message.startswith("no answer within 0.5 s")
