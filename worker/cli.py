@@ -113,14 +113,6 @@ OPTIONS: list[Option] = [
         "NATS (README: KV-aware routing); --no-kv-events turns it off",
         bool,
     ),
-    Option(
-        "--adopt-adapters",
-        WorkerConfig,
-        "adopt_adapters",
-        "on start, load the LoRA adapters the other workers of the subject hold (their "
-        "discovery metadata); --no-adopt-adapters: only --lora-modules",
-        bool,
-    ),
     Option("--max-n", WorkerConfig, "max_n", "largest n (choices) accepted", int),
     Option(
         "--max-tokens-limit",

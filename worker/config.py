@@ -183,12 +183,6 @@ class WorkerConfig:
     """Operator cap on stop_conditions.max_tokens (None: the model's context length)."""
     health_interval_s: float = 5.0
     """How often the engine's health is checked; a dead engine ends the worker non-zero."""
-    adopt_window_s: float = 0.5
-    """How long a starting worker collects its peers' discovery answers (adopt_adapters)."""
-    adopt_adapters: bool = True
-    """On start, load the LoRA adapters the other workers of the subject hold (their discovery
-    metadata), so an adapter loaded at run time reaches the workers started after it. One that
-    does not load here (its path absent on this host) is logged and left out."""
     kv_events: bool = True
     """KV-aware routing (messages/kv.py): vLLM publishes its prefix-cache events, the worker
     republishes them on NATS, answers snapshots and reports its load every load_interval_s

@@ -23,7 +23,7 @@ from nats.aio.subscription import Subscription
 from messages.codec import codec_for
 from messages.subjects import SERVICE_NAME
 from worker.config import WorkerConfig
-from worker.engine.contract import AdminError, Engine
+from worker.engine.contract import Engine
 from worker.metrics import WorkerMetrics
 from worker.nats.control import Control
 from worker.nats.discovery import Discovery
@@ -82,7 +82,6 @@ class WorkerRuntime:
         work queue set up otherwise (nothing is left subscribed then)."""
         config = self.config
         service = self.service
-        await self._adopt_peer_adapters()
         try:
             await self.intake.start()
         except BaseException:
@@ -158,26 +157,6 @@ class WorkerRuntime:
             for task in (watch, *waits):
                 task.cancel()
             await self.stop()
-
-    async def _adopt_peer_adapters(self) -> None:
-        """The adapters the subject's other workers hold (discovery), loaded before this one
-        takes requests: how an adapter loaded at run time reaches a worker started later."""
-        admin = self.service.engine.admin
-        if admin is None or not self.config.adopt_adapters:
-            return
-        from worker.client import fleet  # the fleet as a publisher sees it
-
-        window = self.config.adopt_window_s
-        peers = await fleet.members(self.nc, self.config.subjects.generate, window=window)
-        held = admin.adapters()
-        wanted = {n: p for m in peers for n, p in m.adapters.items() if n not in held}
-        for name, path in sorted(wanted.items()):
-            try:
-                await admin.load_adapter(name, path)
-            except AdminError as error:
-                log.warning("adapter %s of a peer not loaded: %s", loggable(name), loggable(error))
-        if wanted:
-            log.info("adopted %d of the peers' adapters", len(admin.adapters()) - len(held))
 
     def _adapters_changed(self, adapters: dict[str, str]) -> None:
         if self.discovery is not None:
