@@ -27,10 +27,8 @@ class Member:
     """One worker of the subject, as its discovery metadata describes it."""
 
     instance_id: str
-    model: str
     adapters: dict[str, str] = field(default_factory=dict)
     """The LoRA adapters it holds: name → the path it loaded them from."""
-    max_model_len: int | None = None
 
 
 def _member(data: bytes, subjects: Subjects) -> Member | None:
@@ -46,13 +44,11 @@ def _member(data: bytes, subjects: Subjects) -> Member | None:
         return None
     try:
         adapters = json.loads(metadata.get("adapters") or "{}")
-        length = metadata.get("max_model_len")
-        max_model_len = int(length) if length else None
     except ValueError:
         return None
     if not isinstance(adapters, dict):
         return None
-    return Member(metadata["instance_id"], metadata.get("model", ""), adapters, max_model_len)
+    return Member(metadata["instance_id"], adapters)
 
 
 async def members(nc: NATS, generate_subject: str, *, window: float = 0.5) -> list[Member]:

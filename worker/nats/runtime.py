@@ -160,7 +160,7 @@ class WorkerRuntime:
 
     def _adapters_changed(self, adapters: dict[str, str]) -> None:
         if self.discovery is not None:
-            self.discovery.metadata["adapters"] = json.dumps(adapters, sort_keys=True)
+            self.discovery.metadata["adapters"] = _adapters_metadata(adapters)
 
     def _subject_stats(self, subject: str) -> SubjectStats:
         return self.service.stats.get(subject) or SubjectStats()
@@ -174,7 +174,7 @@ class WorkerRuntime:
         admin = self.service.engine.admin
         if admin is not None:
             # The LoRA adapters it holds, name → path, as JSON (kept current by `control`).
-            optional["adapters"] = json.dumps(admin.adapters(), sort_keys=True)
+            optional["adapters"] = _adapters_metadata(admin.adapters())
         if self.kv is not None:
             # Which process answers KV snapshots: a router asks no other (kv_publisher.py).
             optional["kv_events"] = "published" if self.kv.source is not None else "load-only"
@@ -229,6 +229,11 @@ class WorkerRuntime:
                 log.debug("cancel unsubscribe failed: %r", error)
         if self._owns_connection and not self.nc.is_closed:
             await self.nc.drain()
+
+
+def _adapters_metadata(adapters: dict[str, str]) -> str:
+    """Discovery's `adapters`: name → path as JSON (micro metadata values are strings)."""
+    return json.dumps(adapters, sort_keys=True)
 
 
 async def open_worker(
