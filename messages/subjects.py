@@ -22,6 +22,9 @@ REPLY_HEADER = "Reply-To"
 # "no responders" answer means nobody listens): readers skip such messages; they are not frames.
 PROBE_HEADER = "Vllm-Nats-Probe"
 KV_KINDS = ("events", "snapshot", "load")
+# The endpoint of workers of a pooling model (EmbedRequests, messages/embeddings.py), unless
+# the worker is told another.
+EMBED_ENDPOINT = "embed"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from messages.subjects import Subjects
+from messages.subjects import EMBED_ENDPOINT, Subjects
 from worker.config import (
     ENVIRONMENT,
     JetStreamSettings,
@@ -66,7 +66,13 @@ class Option:
 OPTIONS: list[Option] = [
     Option("--namespace", Subjects, "namespace", "first subject token"),
     Option("--component", Subjects, "component", "second subject token"),
-    Option("--endpoint", Subjects, "endpoint", "third subject token"),
+    Option(
+        "--endpoint",
+        None,
+        "endpoint",
+        "third subject token (default: generate; embed for a pooling model, started with "
+        "--runner pooling or --convert embed)",
+    ),
     Option(
         "--queue-group",
         WorkerConfig,
@@ -280,7 +286,7 @@ def worker_config(args: argparse.Namespace, client_count: int = 1) -> WorkerConf
         settings["max_concurrency"] = -(-settings["max_concurrency"] // client_count)
     config = WorkerConfig(
         nats=nats_config(args),
-        subjects=Subjects(**_fields(args, Subjects)),
+        subjects=Subjects(**_fields(args, Subjects), endpoint=endpoint_of(args)),
         **settings,
     )
     if args.instance_id:
@@ -290,6 +296,18 @@ def worker_config(args: argparse.Namespace, client_count: int = 1) -> WorkerConf
     if args.mode == "jetstream":
         config.jetstream = jetstream_settings(args, config)
     return config
+
+
+def pooling(args: argparse.Namespace) -> bool:
+    """Whether vLLM's engine flags make the model a pooling model that embeds."""
+    return getattr(args, "runner", None) == "pooling" or getattr(args, "convert", None) == "embed"
+
+
+def endpoint_of(args: argparse.Namespace) -> str:
+    """--endpoint, else the endpoint of what the model serves (generate, or embed)."""
+    if args.endpoint:
+        return str(args.endpoint)
+    return EMBED_ENDPOINT if pooling(args) else str(default(Subjects, "endpoint"))
 
 
 def jetstream_settings(args: argparse.Namespace, config: WorkerConfig) -> JetStreamSettings:

@@ -2,8 +2,8 @@
 
 Invariant: every published frame is at most `max_payload` bytes, and `seq` counts 0,1,2… over the
 request's published frames, so a client sees gaps and reordering. A frame too big is split by
-position (its per-position lists are cut together, so alignment is kept); only the last piece
-keeps the finish reason, usage and error.
+position (its per-position lists are cut together, so alignment is kept), an embedding result by
+input; only the last piece keeps the finish reason, usage and error.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import msgspec
 from msgspec import UNSET
 
 from messages.codec import Codec
+from messages.embeddings import EmbedResult
 from messages.frames import ResponseFrame
 from worker.errors import WorkerError
 
 Publish = Callable[[bytes], Awaitable[None]]
+Frame = ResponseFrame | EmbedResult
 
 
 class Undeliverable(WorkerError, RuntimeError):
@@ -31,6 +33,21 @@ class FrameTooLarge(WorkerError, RuntimeError):
     """A single position does not fit in max_payload (the server's limit is absurdly small)."""
 
     code = "engine_error"
+
+
+def split_embeddings(frame: EmbedResult) -> tuple[EmbedResult, EmbedResult]:
+    """Two frames holding the same vectors, in order; the second keeps the ending."""
+    count = len(frame.embeddings)
+    if count < 2:
+        raise FrameTooLarge("one embedding exceeds max_payload")
+    half = count // 2
+    head = msgspec.structs.replace(
+        frame, embeddings=frame.embeddings[:half], finish_reason=None, usage=UNSET, error=UNSET
+    )
+    tail = msgspec.structs.replace(
+        frame, index=frame.index + half, embeddings=frame.embeddings[half:]
+    )
+    return head, tail
 
 
 def split_frame(frame: ResponseFrame) -> tuple[ResponseFrame, ResponseFrame]:
@@ -94,7 +111,7 @@ class FrameWriter:
         self.next_seq = 0
         self.frames_sent = 0
 
-    def encode(self, frame: ResponseFrame) -> list[bytes]:
+    def encode(self, frame: Frame) -> list[bytes]:
         """Encoded pieces of `frame`, numbered from next_seq, which advances only when every
         piece fits: a frame that cannot be split small enough uses up no seq number, so the
         error frame that follows comes next in order."""
@@ -102,18 +119,23 @@ class FrameWriter:
         self.next_seq += len(pieces)
         return pieces
 
-    def _encode_from(self, frame: ResponseFrame, seq: int) -> list[bytes]:
+    def _encode_from(self, frame: Frame, seq: int) -> list[bytes]:
         frame.seq = seq
         if self.attempt is not None:
             frame.attempt = self.attempt
         data = self.codec.encode(frame)
         if len(data) <= self.max_payload:
             return [data]
-        head, tail = split_frame(frame)
+        head: Frame
+        tail: Frame
+        if isinstance(frame, EmbedResult):
+            head, tail = split_embeddings(frame)
+        else:
+            head, tail = split_frame(frame)
         first = self._encode_from(head, seq)
         return first + self._encode_from(tail, seq + len(first))
 
-    async def send(self, frame: ResponseFrame) -> None:
+    async def send(self, frame: Frame) -> None:
         for data in self.encode(frame):
             await self._publish(data)
             self.frames_sent += 1

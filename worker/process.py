@@ -22,7 +22,13 @@ from prometheus_client import REGISTRY
 
 from messages.subjects import Subjects
 from worker import health
-from worker.cli import build_parser, engine_args, missing_for_production, worker_config
+from worker.cli import (
+    build_parser,
+    engine_args,
+    missing_for_production,
+    pooling,
+    worker_config,
+)
 from worker.config import WorkerConfig
 from worker.engine import logs as engine_logs
 from worker.metrics import WorkerMetrics
@@ -110,6 +116,7 @@ async def serve(
             engine = await VllmEngine.start(engine_args(args), client_config)
             try:
                 try:
+                    _check_kind(args, engine.limits.kind)
                     await engine.admin.load_static(args.lora_modules or [])
                 except ValueError as error:
                     _say(f"vllm-nats-worker: {error}", sys.stderr)
@@ -121,6 +128,17 @@ async def serve(
         finally:
             if server is not None:
                 server.shutdown()
+
+
+def _check_kind(args: argparse.Namespace, kind: str) -> None:
+    """The endpoint was chosen from the flags (worker.cli.endpoint_of) before the engine said
+    what the model serves: a model whose own architecture pools, started without the flags,
+    would sit on the generate subject. ValueError then."""
+    if args.endpoint is None and (kind == "embed") != pooling(args):
+        raise ValueError(
+            f"the model serves {kind} requests: start it with --runner pooling (an embedding "
+            "model) or name its --endpoint"
+        )
 
 
 class _LiveHealth:

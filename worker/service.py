@@ -4,7 +4,8 @@ It knows neither NATS nor vLLM: an intake (worker/nats/intake/) hands it a `Deli
 `reply` publishes frames back, and it serves the request on the `Engine` contract. The request
 path: decode (every unreadable payload is an `invalid_request` frame) → engine-dependent rules
 (worker/validation.py) → admission (drain, `max_concurrency`) → one task per request running a
-RequestSession (worker/session.py) → frames through `delivery.reply`.
+RequestSession (worker/session.py; an EmbedSession, worker/embedding_session.py, where the
+engine is a pooling model: its requests are EmbedRequests) → frames through `delivery.reply`.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ from typing import Protocol
 import msgspec
 
 from messages.codec import Codec, codec_for
+from messages.embeddings import EmbedRequest
 from messages.errors import ErrorCode
 from messages.request import GenerateRequest
 from worker.config import WorkerConfig
+from worker.embedding_session import EmbedSession
 from worker.engine.contract import Engine, EngineDead, InvalidRequest
 from worker.framing import FrameWriter
 from worker.metrics import WorkerMetrics
 from worker.session import Outcome, RequestSession, send_error
 from worker.shared.log_text import loggable
-from worker.validation import admit
+from worker.validation import admit, check_embed
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +85,14 @@ class SubjectStats:
     last_error: str = ""
 
 
+Session = RequestSession | EmbedSession
+
+
 @dataclass
 class InFlight:
     """A request being served: its session, task, and where its frames go."""
 
-    session: RequestSession
+    session: Session
     task: asyncio.Task[Outcome]
     reply: Reply
     deadline: asyncio.TimerHandle | None = None
@@ -112,9 +118,11 @@ def _salvage_request_id(codec: Codec, data: bytes) -> str:
         return ""
 
 
-def _decode(codec: Codec, data: bytes) -> GenerateRequest:
+def _decode(codec: Codec, data: bytes, embed: bool) -> GenerateRequest | EmbedRequest:
     """Decodes a request; every way a payload can be unreadable is an InvalidRequest."""
     try:
+        if embed:
+            return codec.decode_as(data, EmbedRequest)
         return codec.decode_request(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         raise InvalidRequest("invalid payload", str(error)) from error
@@ -201,8 +209,11 @@ class RequestService:
                     f"{len(delivery.data)} bytes exceeds max_request_bytes "
                     f"{self.config.max_request_bytes}",
                 )
-            decoded = _decode(writer.codec, delivery.data)
-            admit(decoded, self.limits)
+            decoded = _decode(writer.codec, delivery.data, self.limits.kind == "embed")
+            if isinstance(decoded, EmbedRequest):
+                check_embed(decoded, self.limits)
+            else:
+                admit(decoded, self.limits)
         except InvalidRequest as error:
             request_id = _salvage_request_id(writer.codec, delivery.data)
             await self._refuse(writer, delivery, request_id, error.code, str(error))
@@ -219,16 +230,7 @@ class RequestService:
             if not delivery.redelivers:
                 await self._refuse(writer, delivery, decoded.request_id, *refusal)
             return refusal[0]
-        engine_request_id = f"{decoded.request_id}-{uuid.uuid4().hex[:12]}"
-        session = RequestSession(
-            decoded,
-            self.engine,
-            writer,
-            engine_request_id,
-            self.metrics,
-            final_attempt=not delivery.redelivers,
-            arrived=delivery.arrived / 1e9,
-        )
+        session = self._session(decoded, writer, delivery)
         task = asyncio.create_task(self._serve(session, delivery))
         entry = InFlight(session, task, delivery.reply)
         delivery.reply.watch(functools.partial(self._client_gone, entry))
@@ -244,6 +246,33 @@ class RequestService:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         task.add_done_callback(self._done)
         return task
+
+    def _session(
+        self, request: GenerateRequest | EmbedRequest, writer: FrameWriter, delivery: Delivery
+    ) -> Session:
+        engine_request_id = f"{request.request_id}-{uuid.uuid4().hex[:12]}"
+        final_attempt = not delivery.redelivers
+        arrived = delivery.arrived / 1e9
+        if isinstance(request, GenerateRequest):
+            return RequestSession(
+                request,
+                self.engine,
+                writer,
+                engine_request_id,
+                self.metrics,
+                final_attempt,
+                arrived=arrived,
+            )
+        assert self.engine.embedder is not None  # an engine of kind "embed" has one
+        return EmbedSession(
+            request,
+            self.engine.embedder,
+            writer,
+            engine_request_id,
+            self.metrics,
+            final_attempt,
+            arrived=arrived,
+        )
 
     def _done(self, task: asyncio.Task[Outcome]) -> None:
         entry = self._in_flight.pop(task)
@@ -293,7 +322,7 @@ class RequestService:
             self.metrics.finished([code])
         await send_error(writer, request_id, code, message)
 
-    async def _serve(self, session: RequestSession, delivery: Delivery) -> Outcome:
+    async def _serve(self, session: Session, delivery: Delivery) -> Outcome:
         if self.metrics is not None:
             self.metrics.in_flight.inc()
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
+from messages.embeddings import EmbedRequest
 from messages.request import (
     GUIDED_DECODING_BACKENDS,
     GUIDED_DECODING_CONSTRAINTS,
@@ -116,6 +117,33 @@ def check_request(request: GenerateRequest, limits: EngineLimits) -> None:
 
 
 GUIDED = "sampling_options.guided_decoding"
+
+
+# The most inputs one embedding request may carry: one engine request each, all admitted at once
+# under the request's one concurrency slot (vLLM's server takes any number; a long list here
+# is split by the frontend or the caller).
+MAX_EMBED_INPUTS = 2048
+
+
+def check_embed(request: EmbedRequest, limits: EngineLimits) -> None:
+    """The rules of an embedding request against the engine: a pooling model, inputs within
+    the vocabulary and the context, `dimensions` only for a Matryoshka model."""
+    if limits.kind != "embed":
+        raise InvalidRequest("request", f"this worker serves {limits.kind} requests, not embed")
+    if len(request.inputs) > MAX_EMBED_INPUTS:
+        raise InvalidRequest("inputs", f"at most {MAX_EMBED_INPUTS} inputs per request")
+    for index, tokens in enumerate(request.inputs):
+        if len(tokens) > limits.max_model_len:
+            raise InvalidRequest(
+                f"inputs[{index}]",
+                f"{len(tokens)} tokens exceed the model's max_model_len {limits.max_model_len}",
+            )
+        _check_vocab(f"inputs[{index}]", tokens, limits.vocab_size)
+    if request.dimensions is not None and not limits.matryoshka:
+        raise InvalidRequest(
+            "dimensions",
+            f"model {limits.model} does not support Matryoshka embeddings: leave it out",
+        )
 
 
 def _json_object(field: str, value: dict[str, object] | str, what: str) -> None:

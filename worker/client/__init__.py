@@ -6,10 +6,13 @@
   stream), discovery of workers;
 - `reader.py`: the one frame reader (seq order, the stop rule, probes skipped; `Inbox`, a reply
   subscription read without a task per message) and `fold`;
+- `embeddings.py`: `embed` / `jetstream_embed` (EmbedRequests to workers of a pooling model,
+  retried whole on another worker for any retryable end);
 - `fleet.py`: admin commands (adapters, prefix cache, sleep) to every worker of a subject;
 - `__main__.py`: `python -m worker.client`.
 """
 
+from worker.client.embeddings import Embeddings, embed, jetstream_embed
 from worker.client.library import (
     WorkerInstance,
     complete,
@@ -45,6 +48,7 @@ __all__ = [
     "RoutingMode",
     "Choice",
     "Completion",
+    "Embeddings",
     "FrameOrderError",
     "Inbox",
     "RequestEnd",
@@ -53,12 +57,14 @@ __all__ = [
     "complete",
     "connect_url",
     "discover_workers",
+    "embed",
     "find_worker",
     "fold",
     "frame_payloads",
     "generate",
     "is_probe",
     "jetstream_complete",
+    "jetstream_embed",
     "jetstream_generate",
     "jetstream_stream",
     "read_frames",

@@ -49,7 +49,7 @@ from worker.shared.log_text import loggable
 log = logging.getLogger(__name__)
 
 
-async def _publish_cancel(nc: NATS, cancel_subject: str, request_id: str, inbox: str) -> None:
+async def publish_cancel(nc: NATS, cancel_subject: str, request_id: str, inbox: str) -> None:
     """Cancels the request of this id whose frames go to `inbox`: only the publisher knows its
     inbox, so a request of another publisher with the same id is not touched."""
     cancel = CancelRequest(request_id=request_id, reply_subject=inbox)
@@ -92,7 +92,7 @@ async def stream_frames(
                 yield frame
     finally:
         if not end.ended and request_id is not None and cancel_subject is not None:
-            await _publish_cancel(nc, cancel_subject, request_id, inbox)
+            await publish_cancel(nc, cancel_subject, request_id, inbox)
         await subscription.unsubscribe()
 
 
@@ -302,7 +302,7 @@ async def _continued(
         current = continuation
 
 
-async def _other_workers(
+async def other_workers(
     nc: NATS, base: str, refused: set[str], window: float
 ) -> list[WorkerInstance]:
     """Workers on `base` with free capacity that have not refused this request. A worker's
@@ -378,7 +378,7 @@ async def _generate_leg(
             refused.add(instance_id)
         if attempt == retries:
             break
-        candidates = await _other_workers(nc, base, refused, discovery_window)
+        candidates = await other_workers(nc, base, refused, discovery_window)
         if not candidates:
             refusals.append("no other worker with free capacity")
             break
@@ -444,7 +444,7 @@ async def jetstream_generate(
                 yield frame
     finally:
         if not end.ended:
-            await _publish_cancel(nc, subjects.cancel, request.request_id, inbox)
+            await publish_cancel(nc, subjects.cancel, request.request_id, inbox)
         await subscription.unsubscribe()
 
 

@@ -13,6 +13,8 @@ Each implements the engine contract (worker/engine/contract.py) without a model:
 - `ScriptedFakeEngine` streams the steps a test wrote (prompt rows, stop reasons, a choice that
   ends in error, a stream cut short) and may then raise (an engine failure, a dead engine); it
   records each request and each stream closed before its end (an abort);
+- `FakeEmbedder`: vectors that are a function of the input's tokens, after a wait, for the
+  transport tests of embedding requests (`fake_embedding_engine`);
 - `MemoryReply`: the service core's `Reply` (worker/service.py) in memory, so the request path
   (worker/service.py, worker/session.py) is unit-tested without a nats-server: it keeps every
   published frame, and a test declares its client gone or its frames undeliverable.
@@ -24,18 +26,21 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
+from messages.embeddings import EmbedRequest, pack
 from messages.frames import FinishReason, TopLogprob
 from messages.kv import AllCleared, BlockHash, BlocksRemoved, BlocksStored, KvEvent
 from messages.request import GenerateRequest
 from worker.engine.contract import (
     AdminError,
     ChoiceDelta,
+    Embedder,
     EngineAdmin,
     EngineDead,
     EngineFailure,
     EngineLimits,
     EngineLoad,
     EngineStep,
+    InvalidRequest,
 )
 from worker.framing import Undeliverable
 
@@ -116,6 +121,7 @@ class FakePrefixCache:
 
 class PacedFakeEngine:
     admin: EngineAdmin | None = None  # no admin commands (worker/nats/control.py)
+    embedder: Embedder | None = None
 
     def __init__(
         self,
@@ -198,6 +204,7 @@ class SyntheticFastEngine:
     """A fake engine for transport benchmarks only: fixed tokens and rows, no model."""
 
     admin: EngineAdmin | None = None  # no admin commands (worker/nats/control.py)
+    embedder: Embedder | None = None
 
     def __init__(self, yield_every: int = 1) -> None:
         self.yield_every = yield_every
@@ -257,6 +264,7 @@ class AlwaysFailingFakeEngine:
     """A fake engine (transport-level test only): every request fails as an engine error."""
 
     admin: EngineAdmin | None = None  # no admin commands (worker/nats/control.py)
+    embedder: Embedder | None = None
 
     def __init__(self) -> None:
         self.limits = EngineLimits(
@@ -339,6 +347,7 @@ class ScriptedFakeEngine:
     """
 
     admin: EngineAdmin | None = None  # no admin commands (worker/nats/control.py)
+    embedder: Embedder | None = None
 
     def __init__(
         self,
@@ -391,6 +400,48 @@ class ScriptedFakeEngine:
 
     def shutdown(self) -> None:
         return None
+
+
+class FakeEmbedder:
+    """Embeddings without a model (transport tests only): input i's vector is
+    `[len(tokens), first token, last token, 0, …]`, `dimensions` long (shortened when a request
+    asks), after `delay_s`. It counts the inputs it embedded."""
+
+    def __init__(self, dimensions: int = 8, delay_s: float = 0.0) -> None:
+        self.dimensions = dimensions
+        self.delay_s = delay_s
+        self.embedded = 0
+
+    async def embed(self, request: EmbedRequest, engine_request_id: str) -> list[bytes]:
+        size = request.dimensions or self.dimensions
+        if size > self.dimensions:
+            raise InvalidRequest("dimensions", f"must be <= {self.dimensions}")
+        await asyncio.sleep(self.delay_s)
+        self.embedded += len(request.inputs)
+        vectors = []
+        for tokens in request.inputs:
+            values = [float(len(tokens)), float(tokens[0]), float(tokens[-1])]
+            values += [0.0] * self.dimensions
+            vectors.append(pack(values[:size]))
+        return vectors
+
+
+def fake_embedding_engine(
+    embedder: FakeEmbedder | None = None, max_model_len: int = 512
+) -> PacedFakeEngine:
+    """A PacedFakeEngine of kind "embed" with a FakeEmbedder (transport tests only)."""
+    engine = PacedFakeEngine(
+        limits=EngineLimits(
+            model="fake-embed",
+            max_logprobs=0,
+            vocab_size=1024,
+            max_model_len=max_model_len,
+            kind="embed",
+            matryoshka=True,
+        )
+    )
+    engine.embedder = embedder or FakeEmbedder()
+    return engine
 
 
 class MemoryReply:

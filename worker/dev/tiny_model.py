@@ -157,6 +157,23 @@ def build(
     hf_tok.save_pretrained(target)
 
 
+def build_embedding_model(target: Path) -> None:
+    """A second tiny model, for embeddings: another seed and width than the generator, its
+    config marked Matryoshka (`is_matryoshka`, which vLLM reads) so a request may shorten its
+    vectors (`dimensions`). Served as a pooling run: `--runner pooling --convert embed`."""
+    build(target, seed=5, hidden=64, heads=2, kv_heads=1)
+    config_path = target / "config.json"
+    config = json.loads(config_path.read_text())
+    config["is_matryoshka"] = True
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def ensure_tiny_embedding_model(cache_dir: Path | None = None) -> Path:
+    """Path of the cached tiny embedding model (worker.dev.tiny_model.build_embedding_model)."""
+    target = (cache_dir or default_cache_dir()) / f"tiny-embed-v{RECIPE_VERSION}"
+    return cached_build(target, build_embedding_model, "the tiny embedding model")
+
+
 def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     """Path of the cached tiny model, building it first if needed (a few seconds)."""
     target = (cache_dir or default_cache_dir()) / f"tiny-llama-v{RECIPE_VERSION}"

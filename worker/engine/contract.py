@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
+from messages.embeddings import EmbedRequest
 from messages.errors import ErrorCode
 from messages.frames import FinishReason, TopLogprob
 from messages.kv import KvEvent
@@ -60,6 +61,11 @@ class EngineDead(WorkerError, RuntimeError):
     code = "engine_error"
 
 
+EngineKind = Literal["generate", "embed"]
+"""What a worker's engine serves: generation (GenerateRequest) or embeddings (EmbedRequest, a
+pooling model: vLLM's `--runner pooling`)."""
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """The running engine's real limits, which requests are validated against."""
@@ -73,6 +79,11 @@ class EngineLimits:
     """Operator cap on max_tokens, on top of the context length."""
     engine: str = ""
     """Engine name and version, e.g. "vllm 0.32.0"."""
+    kind: EngineKind = "generate"
+    tokenizer: str = ""
+    """Where the model's tokenizer is (its path or hub name), for frontends that discover it."""
+    matryoshka: bool = False
+    """Embeddings only: whether a request may shorten the vectors (`dimensions`)."""
 
 
 @dataclass(frozen=True)
@@ -145,11 +156,22 @@ class EngineAdmin(Protocol):
     async def is_sleeping(self) -> bool: ...
 
 
+class Embedder(Protocol):
+    """A pooling model's embeddings (engines of kind "embed")."""
+
+    async def embed(self, request: EmbedRequest, engine_request_id: str) -> list[bytes]:
+        """One packed float32 vector per input, in input order (messages.embeddings.pack).
+        Raises InvalidRequest for what the engine refuses, naming the field."""
+        ...
+
+
 class Engine(Protocol):
     limits: EngineLimits
     # None: the engine has no admin commands (the transport tests' fakes); the control plane
     # answers them with an error.
     admin: EngineAdmin | None
+    # Set exactly when limits.kind is "embed".
+    embedder: Embedder | None
 
     def generate(
         self, request: GenerateRequest, engine_request_id: str

@@ -34,73 +34,30 @@ from worker.engine import logprobs, reaper, scaleout, structured_outputs
 from worker.engine.admin import VllmAdmin
 from worker.engine.contract import (
     ChoiceDelta,
+    Embedder,
     EngineDead,
     EngineFailure,
+    EngineKind,
     EngineLimits,
     EngineLoad,
     EngineStep,
     InvalidRequest,
     PromptRows,
 )
+from worker.engine.embeddings import VllmEmbedder
 from worker.engine.kv_events import VllmKvEvents
 from worker.engine.seam_stops import SeamStops
+from worker.engine.vllm_errors import INPUT_ERRORS, input_error, invalid
 from worker.errors import describe
 from worker.shared.tokens import TokenTable
 from worker.validation import max_new_tokens
 
-try:  # vLLM >= 0.11 raises its own validation error type, which is not a ValueError.
-    from vllm.exceptions import VLLMValidationError as _VllmValidationError
-except ImportError:  # pragma: no cover - older vLLM
-    _VllmValidationError = ValueError
-try:  # the base of every "the request is at fault" error, where vLLM has one
-    from vllm.exceptions import VLLMClientError as _VllmClientError
-except ImportError:  # pragma: no cover - older vLLM
-    _VllmClientError = _VllmValidationError
-
-# What vLLM raises for a request it refuses as invalid, before its first output: its own client
-# errors, and (older vLLM, or input processing) a plain ValueError. The newest vLLM wraps the
-# latter in a bare EngineGenerateError, so the cause is looked at too.
-_INPUT_ERRORS = (ValueError, _VllmValidationError, _VllmClientError)
 try:  # vLLM 0.32+: prompts go to the engine rendered (VllmEngine._prompt)
     from vllm.renderers.inputs.preprocess import parse_model_prompt as _parse_model_prompt
 except ImportError:  # pragma: no cover - vLLM 0.24
     _parse_model_prompt = None
 
 log = logging.getLogger(__name__)
-
-# vLLM parameter name → the request field a client set, so engine-side errors name our field.
-_FIELD_OF_PARAMETER = {
-    "n": "sampling_options.n",
-    "temperature": "sampling_options.temperature",
-    "top_p": "sampling_options.top_p",
-    "top_k": "sampling_options.top_k",
-    "min_p": "sampling_options.min_p",
-    "seed": "sampling_options.seed",
-    "presence_penalty": "sampling_options.presence_penalty",
-    "frequency_penalty": "sampling_options.frequency_penalty",
-    "repetition_penalty": "sampling_options.repetition_penalty",
-    "max_tokens": "stop_conditions.max_tokens",
-    "min_tokens": "stop_conditions.min_tokens",
-    "stop_token_ids": "stop_conditions.stop_token_ids",
-    "stop": "stop_conditions.stop",
-    "logprobs": "output_options.logprobs",
-    "prompt_logprobs": "output_options.prompt_logprobs",
-    "input_tokens": "token_ids",
-}
-
-
-def _invalid(error: BaseException, default_field: str) -> InvalidRequest:
-    parameter = getattr(error, "parameter", None)
-    field = _FIELD_OF_PARAMETER.get(parameter or "", default_field)
-    return InvalidRequest(field, str(error) or describe(error))
-
-
-def _input_error(error: BaseException) -> BaseException | None:
-    """The vLLM input-validation error behind `error` (itself or its cause), if it is one."""
-    for candidate in (error, error.__cause__):
-        if isinstance(candidate, _INPUT_ERRORS):
-            return candidate
-    return None
 
 
 def _prompt_logprobs_kill_the_engine(llm: AsyncLLM) -> bool:
@@ -137,6 +94,9 @@ class VllmEngine:
         )
         # vLLM 0.32+ renders prompts itself (VllmEngine._prompt); 0.24 has no renderer.
         self._renderer = getattr(llm, "renderer", None) if _parse_model_prompt else None
+        self.embedder: Embedder | None = None
+        if limits.kind == "embed":
+            self.embedder = VllmEmbedder(llm, self._prompt, self.admin)
 
     @classmethod
     async def start(
@@ -168,6 +128,9 @@ class VllmEngine:
             vocab_size=vocab_size,
             max_model_len=model_config.max_model_len,
             engine=f"vllm {vllm_version}",
+            kind=await _kind(llm),
+            tokenizer=str(engine_args.tokenizer or engine_args.model),
+            matryoshka=bool(getattr(model_config, "is_matryoshka", False)),
         )
         table = TokenTable.from_tokenizer(tokenizer, vocab_size)
         # The names a request's `model` may give for the base model: every --served-model-name
@@ -180,7 +143,13 @@ class VllmEngine:
         return engine
 
     async def _warm_up(self) -> None:
-        """One tiny generation, so the engine's one-off first-step cost is not a client's TTFT."""
+        """One tiny generation (or embedding), so the engine's one-off first-step cost is not a
+        client's TTFT."""
+        if self.embedder is not None:
+            from messages.embeddings import EmbedRequest
+
+            await self.embedder.embed(EmbedRequest(request_id="warm-up", inputs=[[0]]), "warm-up")
+            return
         params = SamplingParams(max_tokens=2, logprobs=1, flat_logprobs=True, detokenize=False)
         async for _ in self._llm.generate(self._prompt([0]), params, "warm-up"):
             pass
@@ -250,8 +219,8 @@ class VllmEngine:
                 output_kind=RequestOutputKind.DELTA,
                 **kwargs,
             )
-        except _INPUT_ERRORS as error:
-            raise _invalid(error, "sampling_options") from error
+        except INPUT_ERRORS as error:
+            raise invalid(error, "sampling_options") from error
 
     async def generate(
         self, request: GenerateRequest, engine_request_id: str
@@ -266,8 +235,8 @@ class VllmEngine:
         params = self.sampling_params(request)
         try:
             prompt = self._prompt(list(request.token_ids))
-        except _INPUT_ERRORS as error:
-            raise _invalid(error, "token_ids") from error
+        except INPUT_ERRORS as error:
+            raise invalid(error, "token_ids") from error
         eos_ids = frozenset(request.eos_token_ids)
         guided = request.sampling_options.guided_decoding is not None
         started: set[int] = set()  # choices that produced a token
@@ -288,11 +257,11 @@ class VllmEngine:
                 except EngineDeadError as error:
                     raise EngineDead(str(error) or "vLLM engine is dead") from error
                 except Exception as error:
-                    cause = _input_error(error) if first else None
+                    cause = input_error(error) if first else None
                     if cause is not None:
                         if guided and structured_outputs.is_constraint_error(cause):
                             raise structured_outputs.refusal(cause) from error
-                        raise _invalid(cause, "request") from error
+                        raise invalid(cause, "request") from error
                     if self._llm.errored:
                         raise EngineDead(f"vLLM engine failed: {describe(error)}") from error
                     raise EngineFailure(describe(error)) from error
@@ -375,6 +344,20 @@ class VllmEngine:
         # Let the AsyncLLM be collected now: if it lives until interpreter exit, its __del__
         # shuts down again with vLLM's module globals already torn down (a noisy TypeError).
         self._llm = None
+
+
+async def _kind(llm: AsyncLLM) -> EngineKind:
+    """ "embed" for a pooling model that embeds (vLLM's `--runner pooling`, `--convert embed`);
+    ValueError for a pooling model of another task (classify, reward), which no endpoint serves."""
+    if llm.model_config.runner_type != "pooling":
+        return "generate"
+    tasks = await llm.get_supported_tasks()
+    if "embed" not in tasks:
+        raise ValueError(
+            f"a pooling model of tasks {sorted(tasks)}: this worker serves embeddings ('embed') "
+            "of pooling models, not these (use --convert embed)"
+        )
+    return "embed"
 
 
 class SchedulerLoad:

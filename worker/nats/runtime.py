@@ -182,6 +182,8 @@ class WorkerRuntime:
             **optional,
             "instance_id": self.config.instance_id,
             "model": limits.model,
+            "kind": limits.kind,
+            "tokenizer": limits.tokenizer,
             "engine": limits.engine,
             "max_logprobs": str(limits.max_logprobs),
             "max_model_len": str(limits.max_model_len),
