@@ -27,7 +27,7 @@ from bench.vllm_server import VllmOpenAIServer
 from tests.helpers import TEST_MAX_PAYLOAD, TEST_SUBJECTS
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
-from worker.dev.tiny_model import ensure_tiny_lora, ensure_tiny_model
+from worker.dev.tiny_model import ensure_tiny_embedding_model, ensure_tiny_lora, ensure_tiny_model
 from worker.metrics import WorkerMetrics
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here; models are built locally
@@ -47,7 +47,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
 
 LAYERS = ("unit", "integration", "e2e")
-SESSION_ENGINE_FIXTURES = frozenset({"engine", "worker", "worker_metrics", "vllm_server"})
+SESSION_ENGINE_FIXTURES = frozenset(
+    {"engine", "worker", "worker_metrics", "vllm_server", "embedding_engine", "vllm_embed_server"}
+)
 _HEAVY = ("vllm", "torch")
 
 
@@ -116,13 +118,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """vLLM's own server starts as soon as the collected tests are known to need it: its ~40 s
     start then overlaps the session engine's and the tests before its first user."""
-    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    if "vllm_server" in used:
         _vllm_server(ensure_tiny_model()).launch()
+    if "vllm_embed_server" in used:
+        _vllm_embed_server(ensure_tiny_embedding_model()).launch()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if _vllm_server.cache_info().currsize:  # launched, perhaps never used (a failed run)
+    # Launched, perhaps never used (a failed run).
+    if _vllm_server.cache_info().currsize:
         _vllm_server(ensure_tiny_model()).stop()
+    if _vllm_embed_server.cache_info().currsize:
+        _vllm_embed_server(ensure_tiny_embedding_model()).stop()
 
 
 @functools.cache
@@ -140,6 +148,46 @@ def _vllm_server(model: Path) -> VllmOpenAIServer:
             f"tiny-lora-2={ensure_tiny_lora(seed=2)}",
         ]
     )  # fmt: skip
+
+
+# The embedding model's engine flags, the same for vLLM's server and the worker's engine.
+EMBED_FLAGS = ["--runner", "pooling", "--convert", "embed"]
+
+
+@functools.cache
+def _vllm_embed_server(model: Path) -> VllmOpenAIServer:
+    """vLLM's OpenAI server on the tiny embedding model, a pooling run of a causal LM."""
+    return VllmOpenAIServer(
+        [
+            "--model", str(model), "--dtype", "float32", "--max-model-len", "512",
+            "--enforce-eager", "--seed", "0", *EMBED_FLAGS,
+        ]
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def vllm_embed_server(tiny_embedding_model: Path) -> Iterator[VllmOpenAIServer]:
+    server = _vllm_embed_server(tiny_embedding_model).launch()
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_model() -> Path:
+    return ensure_tiny_embedding_model()
+
+
+@pytest.fixture(scope="session")
+async def embedding_engine(tiny_embedding_model: Path):  # -> VllmEngine of kind "embed"
+    from worker.engine.args import tiny_engine_args
+    from worker.engine.vllm_adapter import VllmEngine
+
+    args = tiny_engine_args(tiny_embedding_model, runner="pooling", convert="embed")
+    engine = await VllmEngine.start(args)
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="session")
