@@ -14,7 +14,7 @@ from messages.codec import JSON, MSGPACK
 from messages.embeddings import EmbedRequest
 from messages.subjects import Subjects
 from tests.helpers import frame_list, settled_state, stream_state
-from tests.integration.conftest import MakeWorker, queue_settings
+from tests.integration.conftest import MakeWorker
 from worker.client import RequestError, embed, jetstream_embed
 from worker.config import JetStreamSettings
 from worker.dev.fakes import FakeEmbedder, fake_embedding_engine

@@ -17,6 +17,7 @@ from messages.frames import ResponseFrame
 from messages.request import GenerateRequest
 from tests.unit.test_frontend_shapes import BANG, EOS, HELLO, THERE, TOKENIZER, WORLD, frame
 from worker.frontend.app import FrontendSettings, create_app
+from worker.frontend.catalog import ServedModel
 from worker.frontend.service import FrontendService
 from worker.shared.log_text import loggable
 
@@ -29,11 +30,13 @@ class ScriptedService(FrontendService):
 
     def __init__(self, app: FastAPI, script: Script) -> None:
         old = app.state.service
-        super().__init__(old.settings, old.tokenizer, old.metrics)
+        super().__init__(old.settings, old.catalog.configured.tokenizer, old.metrics)
         self.script = script
         self.sent: list[GenerateRequest] = []
 
-    def publish(self, request: GenerateRequest) -> tuple[AsyncGenerator[ResponseFrame, None], None]:
+    def publish(
+        self, model: ServedModel, request: GenerateRequest
+    ) -> tuple[AsyncGenerator[ResponseFrame, None], None]:
         self.sent.append(request)
 
         async def frames() -> AsyncGenerator[ResponseFrame, None]:

@@ -21,9 +21,10 @@ from worker.frontend.answers import (
     choice_index,
     summed_usage,
 )
+from worker.frontend.catalog import Card
 from worker.frontend.openai_shapes import (
     floor_logprob,
-    model_list,
+    model_cards,
     openai_finish_reason,
     stop_reason,
     tokenize_body,
@@ -422,13 +423,20 @@ def test_sse_event_framing_and_non_finite_floats_as_null() -> None:
 
 
 def test_models_and_tokenize_bodies() -> None:
-    models = model_list(("a", "b"), "/models/m", 2048)
-    assert models["object"] == "list"
-    assert [(m["id"], m["object"], m["root"], m["max_model_len"]) for m in models["data"]] == [
-        ("a", "model", "/models/m", 2048),
-        ("b", "model", "/models/m", 2048),
+    cards = [
+        Card("a", "/models/m", None, 2048),
+        Card("b", "", None, None),
+        Card("lora-1", "/adapters/1", "a", None),
     ]
-    assert model_list(("a",), "", None)["data"][0]["root"] == "a"
+    models = model_cards(cards)
+    assert models["object"] == "list"
+    assert [
+        (m["id"], m["object"], m["root"], m["parent"], m["max_model_len"]) for m in models["data"]
+    ] == [
+        ("a", "model", "/models/m", None, 2048),
+        ("b", "model", "b", None, None),
+        ("lora-1", "model", "/adapters/1", "a", None),
+    ]
     assert tokenize_body([0, 2], None, ["<s>", "Hello"]) == {
         "count": 2,
         "max_model_len": None,

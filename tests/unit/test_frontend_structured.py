@@ -135,7 +135,7 @@ async def test_a_structured_chat_request_sends_its_guided_decoding(
     app = app_of(answers(frame(HELLO), frame(EOS, finish="eos")))
     service = app.state.service
     guided = GuidedDecoding(json={"type": "object"})
-    monkeypatch.setattr(service, "chat_plan", lambda body: FakePlan(guided))
+    monkeypatch.setattr(service, "chat_plan", lambda body, model: FakePlan(guided))
     body = {"messages": CHAT, "response_format": {"type": "json_object"}, "stream": stream}
     answer = await http(app).post("/v1/chat/completions", json=body)
     assert answer.status_code == 200
@@ -168,7 +168,7 @@ async def test_a_constraint_the_worker_refuses_is_a_400_with_its_reason(
     )
     app = app_of(answers(frame(error=("invalid_request", reason))))
     monkeypatch.setattr(
-        app.state.service, "chat_plan", lambda body: FakePlan(GuidedDecoding(regex="(a"))
+        app.state.service, "chat_plan", lambda body, model: FakePlan(GuidedDecoding(regex="(a"))
     )
     body = {"messages": CHAT, "structured_outputs": {"regex": "(a"}}
     for stream in (False, True):

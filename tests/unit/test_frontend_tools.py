@@ -272,7 +272,7 @@ class FakePlan:
 
 def planned(monkeypatch: pytest.MonkeyPatch, plan: FakePlan) -> Any:
     app = app_of(answers(frame(HELLO), frame(WORLD), frame(EOS, finish="eos")))
-    monkeypatch.setattr(app.state.service, "chat_plan", lambda body: plan)
+    monkeypatch.setattr(app.state.service, "chat_plan", lambda body, model: plan)
     return app
 
 
@@ -336,7 +336,7 @@ async def test_a_held_back_delta_at_the_end_is_an_empty_delta(
 async def test_each_choice_has_its_own_parser(http: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     plan = FakePlan(REQUIRED)
     app = app_of(answers(frame(HELLO, index=0, finish="eos"), frame(WORLD, index=1, finish="eos")))
-    monkeypatch.setattr(app.state.service, "chat_plan", lambda body: plan)
+    monkeypatch.setattr(app.state.service, "chat_plan", lambda body, model: plan)
     body = {"messages": CHAT, "tools": [{}], "n": 2}
     answer = (await http(app).post("/v1/chat/completions", json=body)).json()
     assert [c["message"]["tool_calls"][0]["function"]["arguments"] for c in answer["choices"]] == [
@@ -387,7 +387,7 @@ async def test_reasoning_in_the_message_and_the_deltas(
     monkeypatch.setattr(
         app.state.service,
         "chat_plan",
-        lambda body: SimpleNamespace(
+        lambda body, model: SimpleNamespace(
             guided=None,
             tool_dicts=None,
             output=lambda ids: ChatOutput(ToolChoice(reasoning=True), lambda: Splitting([])),

@@ -24,42 +24,77 @@ from worker.client.library import discovery_answers
 
 @dataclass(frozen=True)
 class Member:
-    """One worker of the subject, as its discovery metadata describes it."""
+    """One worker, as its discovery metadata describes it."""
 
     instance_id: str
     adapters: dict[str, str] = field(default_factory=dict)
     """The LoRA adapters it holds: name → the path it loaded them from."""
+    subject: str = ""
+    """The subject of its model's requests (`namespace.component.endpoint`)."""
+    jetstream: bool = False
+    """It takes them from the subject's work queue (`--mode jetstream`)."""
+    model: str = ""
+    """Its served model name."""
+    kind: str = "generate"
+    """What it serves: "generate", or "embed" (a pooling model)."""
+    tokenizer: str = ""
+    """Where its model's tokenizer is (a path or hub name)."""
+    max_model_len: int | None = None
 
 
-def _member(data: bytes, subjects: Subjects) -> Member | None:
+def _member(data: bytes) -> Member | None:
+    """The Member an INFO answer describes; None for any other answer or a malformed one."""
     try:
         info = json.loads(data)
         metadata = info.get("metadata") or {}
         endpoints = info.get("endpoints") or []
-    except (ValueError, AttributeError):
-        return None
-    serves = any(e.get("subject") == subjects.generate for e in endpoints if isinstance(e, dict))
-    queued = metadata.get("queue_subject") == subjects.queue
-    if not (serves or queued) or "instance_id" not in metadata:
-        return None
-    try:
         adapters = json.loads(metadata.get("adapters") or "{}")
-    except ValueError:
+        instance_id = metadata["instance_id"]
+        queue = metadata.get("queue_subject")
+        subject = metadata.get("subject") or _served_subject(endpoints, queue)
+        length = metadata.get("max_model_len")
+        max_model_len = int(length) if length else None
+    except (ValueError, AttributeError, KeyError, TypeError):
         return None
-    if not isinstance(adapters, dict):
+    if not isinstance(adapters, dict) or not subject:
         return None
-    return Member(metadata["instance_id"], adapters)
+    return Member(
+        instance_id,
+        adapters,
+        subject,
+        queue is not None,
+        str(metadata.get("model", "")),
+        str(metadata.get("kind", "generate")),
+        str(metadata.get("tokenizer", "")),
+        max_model_len,
+    )
+
+
+def _served_subject(endpoints: list[dict[str, str]], queue: str | None) -> str:
+    """The model subject of a worker whose metadata does not name it (an older worker): its
+    `generate` endpoint's, or its work queue's (`ns.comp.queue.endpoint` → `ns.comp.endpoint`)."""
+    for endpoint in endpoints:
+        if endpoint.get("name") == "generate":
+            return endpoint.get("subject", "")
+    if queue:
+        namespace, component, _, name = queue.split(".")
+        return f"{namespace}.{component}.{name}"
+    return ""
+
+
+async def everyone(nc: NATS, *, window: float = 0.5) -> list[Member]:
+    """Every worker that answers discovery within `window` seconds, of every subject."""
+    found: dict[str, Member] = {}
+    async for data in discovery_answers(nc, f"$SRV.INFO.{SERVICE_NAME}", window):
+        member = _member(data)
+        if member is not None:
+            found[member.instance_id] = member
+    return [found[key] for key in sorted(found)]
 
 
 async def members(nc: NATS, generate_subject: str, *, window: float = 0.5) -> list[Member]:
     """Every worker of `generate_subject` that answers discovery within `window` seconds."""
-    subjects = Subjects.parse(generate_subject)[0]
-    found: dict[str, Member] = {}
-    async for data in discovery_answers(nc, f"$SRV.INFO.{SERVICE_NAME}", window):
-        member = _member(data, subjects)
-        if member is not None:
-            found[member.instance_id] = member
-    return [found[key] for key in sorted(found)]
+    return [m for m in await everyone(nc, window=window) if m.subject == generate_subject]
 
 
 async def command(

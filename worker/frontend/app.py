@@ -52,20 +52,21 @@ async def on_invalid_body(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(
     settings: FrontendSettings,
-    tokenizer: ModelTokenizer,
+    tokenizer: ModelTokenizer | None,
     nc: NATS | None = None,
     connect: Callable[[], Awaitable[NATS]] | None = None,
     metrics: FrontendMetrics | None = None,
 ) -> FastAPI:
-    """`nc`: an open connection (tests); else `connect()` is awaited at start-up and the
-    connection closed at shutdown. `metrics`: default, a registry of this app's own."""
+    """`tokenizer`: the configured model's (None: the frontend serves the models its workers
+    announce, worker/frontend/catalog.py). `nc`: an open connection (tests); else `connect()`
+    is awaited at start-up and the connection closed at shutdown. `metrics`: default, a
+    registry of this app's own."""
     service = FrontendService(settings, tokenizer, metrics, nc=nc, connect=connect)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
-        if service.router is not None:
-            app.state.router = service.router  # for introspection (tests)
+        app.state.router = service.router  # for introspection (tests)
         try:
             yield
         finally:

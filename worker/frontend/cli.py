@@ -1,4 +1,4 @@
-"""`python -m worker.frontend --nats-url URL --model PATH [--subject S] [--port P]
+"""`python -m worker.frontend --nats-url URL [--model PATH [--subject S]] [--port P]
 [--processes N] [--api-key KEY]`: the options (defaults from worker/frontend/settings.py) and
 one process's server."""
 
@@ -44,14 +44,13 @@ def _add_migration_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m worker.frontend",
-        description="OpenAI-compatible HTTP frontend for vLLM NATS workers.",
-    )
-    add_nats_arguments(parser, url_default=LOCAL_URL)
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model started with (optional) and where its workers are."""
     parser.add_argument(
-        "--model", required=True, help="the model's directory (its tokenizer is loaded)"
+        "--model",
+        help="a model served on --subject, its tokenizer loaded from this directory at start "
+        "(default: none; every model the workers announce is served either way, its tokenizer "
+        "found where its workers say: README, Several models behind one frontend)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -68,6 +67,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="publish requests to the JetStream work queue of --subject's workers (workers in "
         "--mode jetstream) instead of the core subject",
     )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.frontend",
+        description="OpenAI-compatible HTTP frontend for vLLM NATS workers.",
+    )
+    add_nats_arguments(parser, url_default=LOCAL_URL)
+    _add_model_arguments(parser)
     parser.add_argument(
         "--host",
         default=_default("host"),
@@ -120,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.served_model_name and not args.model:
+        parser.error("--served-model-name names --model's model: give --model too")
     return args
 
 
@@ -144,8 +154,8 @@ def _add_parser_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_of(args: argparse.Namespace) -> FrontendSettings:
     return FrontendSettings(
-        model_names=tuple(args.served_model_name or [args.model]),
-        model_path=args.model,
+        model_names=tuple(args.served_model_name or ([args.model] if args.model else [])),
+        model_path=args.model or "",
         subject=args.subject,
         timeout_s=args.timeout,
         retries=args.retries,
@@ -181,7 +191,8 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
     async def connect() -> NATS:
         return await nats_connect(nats_config(args, name="vllm-nats-frontend"))
 
-    app = create_app(settings, ModelTokenizer.load(args.model), connect=connect)
+    tokenizer = ModelTokenizer.load(args.model) if args.model else None
+    app = create_app(settings, tokenizer, connect=connect)
     if sock is None:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
         return

@@ -15,15 +15,19 @@ floored at -9999.0 as vLLM's server does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import base64
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from msgspec import UNSET
 
+from messages.embeddings import unpack
 from messages.frames import ResponseFrame, TopLogprob
 from worker.client.stops import held_back, stop_cut
 from worker.frontend import tool_calls
+from worker.frontend.catalog import Card
 from worker.frontend.tokenizer import ModelTokenizer
 from worker.frontend.tool_calls import OutputParser, Parsed, ToolChoice
 
@@ -322,39 +326,56 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def model_list(names: Sequence[str], root: str, max_model_len: int | None) -> dict[str, Any]:
-    """`/v1/models`: each served name (`root`: the model's directory, else the name)."""
+def model_cards(cards: Sequence[Card]) -> dict[str, Any]:
+    """`/v1/models`, as vLLM's server lists models and adapters (`root`: the model's directory
+    or an adapter's path; `parent`: an adapter's model)."""
     return {
         "object": "list",
         "data": [
             {
-                "id": name,
+                "id": card.name,
                 "object": "model",
                 "created": 0,
                 "owned_by": "vllm-nats-worker",
-                "root": root or name,
-                "parent": None,
-                "max_model_len": max_model_len,
+                "root": card.root or card.name,
+                "parent": card.parent,
+                "max_model_len": card.max_model_len,
             }
-            for name in names
+            for card in cards
         ],
     }
 
 
-def adapter_cards(adapters: Mapping[str, str], parent: str) -> list[dict[str, Any]]:
-    """`/v1/models`' cards of LoRA adapters (name → path), as vLLM's server lists them."""
-    return [
+def embedding_body(
+    request_id: str, model: str, vectors: Sequence[bytes], encoding_format: str, prompt_tokens: int
+) -> dict[str, Any]:
+    """`/v1/embeddings`' body, as vLLM's server answers it: each vector as floats, or as base64
+    of its little-endian float32 bytes (the wire's packing, messages.embeddings)."""
+    data = [
         {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "vllm-nats-worker",
-            "root": path,
-            "parent": parent,
-            "max_model_len": None,
+            "index": index,
+            "object": "embedding",
+            "embedding": (
+                base64.b64encode(vector).decode("ascii")
+                if encoding_format == "base64"
+                else unpack(vector)
+            ),
         }
-        for name, path in sorted(adapters.items())
+        for index, vector in enumerate(vectors)
     ]
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }
 
 
 def tokenize_body(

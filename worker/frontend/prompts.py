@@ -37,6 +37,25 @@ def encode_prompts(
     return encoded
 
 
+def encode_inputs(
+    tokenizer: ModelTokenizer,
+    inputs: Sequence[str | list[int]],
+    batched: bool,
+    add_special_tokens: bool = True,
+) -> list[list[int]]:
+    """`/v1/embeddings`: each input's token ids (text encoded as vLLM's server does); an empty
+    one is a 400 (`input.<i>` in a list, else `input`)."""
+    encoded = []
+    for position, item in enumerate(inputs):
+        tokens = (
+            tokenizer.encode_prompt(item, add_special_tokens) if isinstance(item, str) else item
+        )
+        if not tokens:
+            raise invalid(f"input.{position}" if batched else "input", "must not be empty")
+        encoded.append(list(tokens))
+    return encoded
+
+
 def encode_messages(
     tokenizer: ModelTokenizer, messages: Sequence[ChatMessage], **options: Any
 ) -> list[int]:

@@ -316,3 +316,37 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class EmbeddingRequest(BaseModel):
+    """`/v1/embeddings`, by OpenAI's and vLLM's field names: `input` as a string, a list of
+    strings, token ids or a list of token-id lists; `encoding_format` float or base64;
+    `dimensions` (a Matryoshka model's); vLLM's `use_activation` (false: not normalized) and
+    `add_special_tokens`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    use_activation: bool | None = None
+    add_special_tokens: bool = True
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_empty(self) -> EmbeddingRequest:
+        if isinstance(self.input, list) and not self.input:
+            raise InvalidField("input", "must not be empty")
+        return self
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """Each input of the request (one unless it is a list of them)."""
+        if isinstance(self.input, str) or isinstance(self.input[0], int):
+            return [self.input]
+        return list(self.input)
+
+    @property
+    def batched(self) -> bool:
+        return isinstance(self.input, list) and not isinstance(self.input[0], int)

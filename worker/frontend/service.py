@@ -22,17 +22,29 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from messages.control import ControlReply, ControlRequest
+from messages.embeddings import EmbedRequest
 from messages.frames import ResponseFrame
 from messages.request import GenerateRequest, GuidedDecoding
-from worker.client import KvRouter, find_worker, fleet, generate, jetstream_stream, subjects_of
+from worker.client import (
+    Embeddings,
+    KvRouter,
+    RequestError,
+    embed,
+    find_worker,
+    fleet,
+    generate,
+    jetstream_embed,
+    jetstream_stream,
+    subjects_of,
+)
 from worker.frontend import sse
 from worker.frontend.answers import Answer
+from worker.frontend.catalog import ModelCatalog, ServedModel, Target
 from worker.frontend.errors import (
     OpenAIError,
     client_gone,
     not_connected,
     transport_error,
-    unknown_model,
 )
 from worker.frontend.metrics import FrontendMetrics
 from worker.frontend.schemas import ChatCompletionRequest, CompletionRequest
@@ -58,36 +70,52 @@ Frames = AsyncGenerator[ResponseFrame, None]
 
 class FrontendService:
     """`nc`: an open connection (tests); else `connect()` is awaited by `start()` and the
-    connection it gives is closed by `stop()`. `router`: set by `start()` unless requests go to
-    the queue group or JetStream."""
+    connection it gives is closed by `stop()`. `tokenizer`: the configured model's (`--model`);
+    None when the frontend serves only the models it discovers (worker/frontend/catalog.py)."""
 
     def __init__(
         self,
         settings: FrontendSettings,
-        tokenizer: ModelTokenizer,
+        tokenizer: ModelTokenizer | None,
         metrics: FrontendMetrics | None = None,
         nc: NATS | None = None,
         connect: Callable[[], Awaitable[NATS]] | None = None,
     ) -> None:
         self.settings = settings
-        self.tokenizer = tokenizer
         self.metrics = metrics or FrontendMetrics()
-        self.router: KvRouter | None = None
         self._nc = nc
         self._connect = connect
         self._owned: NATS | None = None
+        configured = None
+        if settings.model_names and tokenizer is not None:
+            configured = ServedModel(
+                settings.model_names,
+                "generate",
+                settings.subject,
+                settings.jetstream,
+                settings.model_path,
+                tokenizer,
+                configured=True,
+            )
+        self.catalog = ModelCatalog(settings, configured)
         self.parsers = ParserNames(
             settings.tool_call_parser, settings.enable_auto_tool_choice, settings.reasoning_parser
         )
-        if self.parsers.any:  # as vllm serve: a parser that does not exist fails the start
-            check_parsers(self.parsers, tokenizer.tokenizer)
+        if self.parsers.any and tokenizer is not None:
+            check_parsers(self.parsers, tokenizer.tokenizer)  # as vllm serve: fail the start
 
-    def chat_plan(self, body: ChatCompletionRequest) -> ChatPlan | None:
+    @property
+    def router(self) -> KvRouter | None:
+        """The configured model's KV router (None in queue or JetStream mode)."""
+        configured = self.catalog.configured
+        return configured.router if configured is not None else None
+
+    def chat_plan(self, body: ChatCompletionRequest, model: ServedModel) -> ChatPlan | None:
         """vLLM's handling of the request's structured outputs, tools and parsers (vllm is
         imported for it); None for a plain request when no parser runs."""
         if not (body.structured or body.uses_tools or self.parsers.any):
             return None
-        return chat_plan(body, self.parsers, self.tokenizer.tokenizer)
+        return chat_plan(body, self.parsers, model.tokenizer.tokenizer)
 
     def completion_guided(self, body: CompletionRequest) -> GuidedDecoding | None:
         """A completions request's structured outputs as the wire's guided_decoding."""
@@ -96,21 +124,12 @@ class FrontendService:
     async def start(self) -> None:
         if self._nc is None and self._connect is not None:
             self._nc = self._owned = await self._connect()
-        settings = self.settings
-        if self._nc is not None and not settings.jetstream and settings.router != "queue":
-            router = KvRouter(
-                self._nc,
-                subjects_of(settings.subject),
-                mode=settings.router,
-                load_weight=settings.load_weight,
-            )
-            await router.start()
-            self.router = router
+        if self._nc is not None:
+            await self.catalog.start(self._nc, self.settings.discovery_refresh_s)
 
     async def stop(self) -> None:
         try:
-            if self.router is not None:
-                await self.router.stop()
+            await self.catalog.stop()
         finally:
             if self._owned is not None:
                 await self._owned.close()
@@ -124,74 +143,82 @@ class FrontendService:
             raise not_connected()
         return nc
 
-    async def worker_metadata(self, window: float) -> dict[str, str] | None:
-        """The discovery metadata of a worker of the subject that answers within `window`."""
+    async def target(self, name: str | None, kind: str | None = "generate") -> Target:
+        """The model (and adapter) a request's `model` names; 404 for one no worker serves.
+        `kind` None: a model of any kind."""
+        return await self.catalog.resolve(name, kind)
+
+    async def max_model_len(self, model: ServedModel) -> int | None:
+        """The context length a worker of the model reports in discovery; None if none answers
+        (nothing here knows it otherwise: the engine is the workers')."""
+        if (length := self.catalog.max_model_len(model.subject)) is not None:
+            return length
         if (nc := self.connected()) is None:
             return None
-        settings = self.settings
-        return await find_worker(nc, settings.subject, window=window, jetstream=settings.jetstream)
-
-    async def max_model_len(self) -> int | None:
-        """The context length a worker of the subject reports in discovery; None if none
-        answers in time (nothing here knows it otherwise: the engine is the workers')."""
-        found = await self.worker_metadata(self.settings.discovery_window_s)
+        found = await find_worker(
+            nc, model.subject, window=self.settings.discovery_window_s, jetstream=model.jetstream
+        )
         try:
             return int(found["max_model_len"]) if found else None
         except (KeyError, ValueError):
             return None
 
     async def unhealthy(self) -> str | None:
-        """Why the frontend cannot serve now; None when a worker of the subject answers
-        discovery in time."""
-        if self.connected() is None:
+        """Why the frontend cannot serve now; None when a worker of the configured model (any
+        worker, without one) answers discovery in time."""
+        if (nc := self.connected()) is None:
             return "not connected to NATS"
-        timeout = self.settings.health_timeout_s
-        if await self.worker_metadata(timeout) is None:
-            return f"no worker of {self.settings.subject} answered within {timeout} s"
+        settings = self.settings
+        timeout = settings.health_timeout_s
+        configured = self.catalog.configured
+        if configured is None:
+            if not await fleet.everyone(nc, window=timeout):
+                return f"no worker answered discovery within {timeout} s"
+            return None
+        if (
+            await find_worker(
+                nc, configured.subject, window=timeout, jetstream=configured.jetstream
+            )
+            is None
+        ):
+            return f"no worker of {configured.subject} answered within {timeout} s"
         return None
 
-    async def members(self) -> list[fleet.Member]:
-        """The workers of the subject that answer discovery (each with its adapters)."""
+    async def command_all(self, model: ServedModel, request: ControlRequest) -> list[ControlReply]:
+        """An admin command to every worker of the model; each one's answer."""
         nc = self.connection()
-        return await fleet.members(
-            nc, self.settings.subject, window=self.settings.discovery_window_s
-        )
-
-    async def adapters(self) -> dict[str, str]:
-        """The LoRA adapters some worker of the subject holds: name → path."""
-        if self.connected() is None:
-            return {}
-        return {name: path for m in await self.members() for name, path in m.adapters.items()}
-
-    async def served_model(self, name: str | None) -> tuple[str, str | None]:
-        """The name a response carries and the adapter the wire's `model` names (None: the base
-        model). An adapter is one that a worker of the subject holds now (discovery); any other
-        name is a 404, never answered by the base model."""
-        if name is None or name in self.settings.model_names:
-            return self.served_name(name), None
-        if name in await self.adapters():
-            return name, name
-        raise unknown_model(name)
-
-    async def command_all(self, request: ControlRequest) -> list[ControlReply]:
-        """An admin command to every worker of the subject; each one's answer."""
-        nc = self.connection()
-        return await fleet.command_all(
+        replies = await fleet.command_all(
             nc,
-            self.settings.subject,
+            model.subject,
             request,
             window=self.settings.discovery_window_s,
             timeout=self.settings.timeout_s,
         )
+        await self.catalog.refresh()  # what the workers hold now (adapters)
+        return replies
 
-    def served_name(self, name: str | None) -> str:
-        """The name a response carries: the one asked for, or the first served one (vLLM's
-        rule when `model` is left out); a name not served is a 404."""
-        if name is None:
-            return self.settings.model_names[0]
-        if name not in self.settings.model_names:
-            raise unknown_model(name)
-        return name
+    async def embed(self, model: ServedModel, request: EmbedRequest) -> Embeddings:
+        """The request's vectors from a worker of the model (retried whole on another worker
+        for any retryable end, worker/client/embeddings.py); its error as an OpenAIError."""
+        nc, settings = self.connection(), self.settings
+        try:
+            if model.jetstream:
+                return await jetstream_embed(
+                    nc, request, subjects=subjects_of(model.subject), timeout=settings.timeout_s
+                )
+            return await embed(
+                nc,
+                request,
+                subject=model.subject,
+                timeout=settings.timeout_s,
+                retries=settings.retries,
+                discovery_window=settings.discovery_window_s,
+                silence_timeout=settings.silence_timeout_s,
+            )
+        except RequestError as error:
+            raise OpenAIError.from_worker(error.code, error.message) from error
+        except Exception as error:
+            raise transport_error(error) from error
 
     def log_accepted(self, request_id: str, model: str, user: str | None, prompts: int) -> None:
         if log.isEnabledFor(logging.DEBUG):
@@ -203,12 +230,14 @@ class FrontendService:
                 prompts,
             )
 
-    def publish(self, request: GenerateRequest) -> tuple[Frames, Callable[[], None] | None]:
+    def publish(
+        self, model: ServedModel, request: GenerateRequest
+    ) -> tuple[Frames, Callable[[], None] | None]:
         """The request sent (to the JetStream work queue, the worker the router picks, or the
         queue group): its frames, and what to call once they end (the router's count)."""
         nc, settings = self.connection(), self.settings
-        if settings.jetstream:
-            subjects = subjects_of(settings.subject)
+        if model.jetstream:
+            subjects = subjects_of(model.subject)
             frames = jetstream_stream(
                 nc,
                 request,
@@ -218,10 +247,10 @@ class FrontendService:
                 silence_timeout=settings.silence_timeout_s,
             )
             return frames, None
-        subject, release = settings.subject, None
-        if self.router is not None:
-            route = self.router.route(request.token_ids, request.model)
-            release = functools.partial(self.router.release, route)
+        subject, release = model.subject, None
+        if (router := model.router) is not None:
+            route = router.route(request.token_ids, request.model)
+            release = functools.partial(router.release, route)
             subject = route.subject or subject
             self.metrics.count_route(route)
         frames = generate(
@@ -236,10 +265,10 @@ class FrontendService:
         return frames, release
 
     async def start_request(
-        self, watcher: asyncio.Task[None], request: GenerateRequest
+        self, watcher: asyncio.Task[None], model: ServedModel, request: GenerateRequest
     ) -> FrameSource:
         """The request sent and its first frame read; a refusal or failure is raised."""
-        source, release = self.publish(request)
+        source, release = self.publish(model, request)
         frames = until_disconnected(watcher, source, request.request_id, release)
         try:
             first = await anext(frames)
@@ -254,14 +283,18 @@ class FrontendService:
         return FrameSource(frames, first)
 
     async def start_batch(
-        self, is_disconnected: IsDisconnected, requests: Sequence[GenerateRequest]
+        self,
+        is_disconnected: IsDisconnected,
+        model: ServedModel,
+        requests: Sequence[GenerateRequest],
     ) -> Batch:
         """Every prompt's request sent at once and its first frame read; any failure is the
         whole response's (the first, in prompt order), and the others are cancelled."""
         watcher = asyncio.create_task(watch_disconnect(is_disconnected))
         try:
             started = await asyncio.gather(
-                *(self.start_request(watcher, r) for r in requests), return_exceptions=True
+                *(self.start_request(watcher, model, r) for r in requests),
+                return_exceptions=True,
             )
         except BaseException:
             watcher.cancel()
@@ -276,10 +309,11 @@ class FrontendService:
         self,
         is_disconnected: IsDisconnected,
         answer: Answer[Any],
+        model: ServedModel,
         requests: Sequence[GenerateRequest],
     ) -> dict[str, Any]:
         """The whole answer's body, once every frame arrived."""
-        batch = await self.start_batch(is_disconnected, requests)
+        batch = await self.start_batch(is_disconnected, model, requests)
         await batch.fold(answer.feed)
         self.metrics.count_usage(answer.usage())
         return answer.body()
@@ -288,12 +322,13 @@ class FrontendService:
         self,
         is_disconnected: IsDisconnected,
         answer: Answer[Any],
+        model: ServedModel,
         requests: Sequence[GenerateRequest],
         *,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         """The answer's SSE events, once every prompt's first frame arrived."""
-        batch = await self.start_batch(is_disconnected, requests)
+        batch = await self.start_batch(is_disconnected, model, requests)
         return sse.events(
             batch, answer, include_usage=include_usage, on_answered=self.metrics.count_usage
         )

@@ -13,10 +13,11 @@ from worker.client.router import RoutingMode
 
 @dataclass(frozen=True, kw_only=True)
 class FrontendSettings:
-    model_names: tuple[str, ...]
-    """The names clients may send as `model` (`--served-model-name`, several allowed; default
-    the `--model` path, as vLLM's). Each is accepted and echoed in the response; a request
-    without `model` is served as the first (vLLM's rule)."""
+    model_names: tuple[str, ...] = ()
+    """The names clients may send as `model` for the configured model (`--served-model-name`,
+    several allowed; default the `--model` path, as vLLM's). Each is accepted and echoed in the
+    response; a request without `model` is served as the first (vLLM's rule). Empty (no
+    `--model`): only the models the workers announce are served (worker/frontend/catalog.py)."""
     model_path: str = ""
     """The tokenizer's directory (`--model`): `/v1/models`' `root`."""
     subject: str = Subjects().generate
@@ -55,7 +56,9 @@ class FrontendSettings:
     health_timeout_s: float = 1.0
     """`/health`: how long to wait for a worker of the subject to answer discovery."""
     discovery_window_s: float = 0.25
-    """`/v1/models`, `/tokenize`: how long to wait for a worker's `max_model_len`."""
+    """How long one discovery round waits for the workers' answers."""
+    discovery_refresh_s: float = 2.0
+    """How often the models the workers serve are learnt again (worker/frontend/catalog.py)."""
     tool_call_parser: str | None = None
     """vLLM's tool-call parser by name (`--tool-call-parser`, e.g. `hermes`): tool calls are
     parsed from the answers of requests with tools; `required` and named tool choices need it
@@ -71,7 +74,3 @@ class FrontendSettings:
     reasoning_parser: str | None = None
     """vLLM's reasoning parser by name (`--reasoning-parser`): the answer's reasoning is split
     into the message's `reasoning` field. Needs vllm installed."""
-
-    def __post_init__(self) -> None:
-        if not self.model_names:
-            raise ValueError("at least one served model name is needed")

@@ -182,6 +182,7 @@ class WorkerRuntime:
             **optional,
             "instance_id": self.config.instance_id,
             "model": limits.model,
+            "subject": self.config.subjects.generate,
             "kind": limits.kind,
             "tokenizer": limits.tokenizer,
             "engine": limits.engine,

@@ -20,22 +20,21 @@ router = APIRouter()
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, service: Service
 ) -> JSONResponse | StreamingResponse:
-    model, adapter = await service.served_model(body.model)
-    plan = service.chat_plan(body)
+    target = await service.target(body.model)
+    tokenizer = target.model.tokenizer
+    plan = service.chat_plan(body, target.model)
     prompt_ids = encode_messages(
-        service.tokenizer,
+        tokenizer,
         body.messages,
         template_kwargs=body.chat_template_kwargs,
         tools=None if plan is None else plan.tool_dicts,
     )
     request_id = new_request_id("chatcmpl")
-    service.log_accepted(request_id, model, body.user, 1)
-    envelope = ResponseEnvelope(request_id, model)
+    service.log_accepted(request_id, target.name, body.user, 1)
+    envelope = ResponseEnvelope(request_id, target.name)
     output = None if plan is None else plan.output(prompt_ids)
-    answer = ChatAnswer(
-        envelope, service.tokenizer, len(prompt_ids), body, chat_logprobs(body), output
-    )
+    answer = ChatAnswer(envelope, tokenizer, len(prompt_ids), body, chat_logprobs(body), output)
     guided = None if plan is None else plan.guided
     generate_request = chat_request(body, request_id, prompt_ids, guided)
-    generate_request.model = adapter
-    return await respond(service, request, body, answer, [generate_request])
+    generate_request.model = target.adapter
+    return await respond(service, request, body, answer, target.model, [generate_request])

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from messages.request import GenerateRequest
 from worker.frontend.answers import Answer
+from worker.frontend.catalog import ServedModel
 from worker.frontend.schemas import SamplingFields
 from worker.frontend.service import FrontendService
 
@@ -28,6 +29,7 @@ async def respond(
     request: Request,
     body: SamplingFields,
     answer: Answer[Any],
+    model: ServedModel,
     generate_requests: Sequence[GenerateRequest],
 ) -> JSONResponse | StreamingResponse:
     """`generate_requests` sent and `answer` built from their frames: streamed when the body
@@ -36,8 +38,10 @@ async def respond(
         events = await service.stream(
             request.is_disconnected,
             answer,
+            model,
             generate_requests,
             include_usage=body.include_usage,
         )
         return StreamingResponse(events, media_type="text/event-stream")
-    return JSONResponse(await service.complete(request.is_disconnected, answer, generate_requests))
+    body_of = await service.complete(request.is_disconnected, answer, model, generate_requests)
+    return JSONResponse(body_of)

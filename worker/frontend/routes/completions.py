@@ -19,14 +19,14 @@ router = APIRouter()
 async def completions(
     body: CompletionRequest, request: Request, service: Service
 ) -> JSONResponse | StreamingResponse:
-    model, adapter = await service.served_model(body.model)
-    prompts = encode_prompts(service.tokenizer, body.prompts, body.batched)
+    target = await service.target(body.model)
+    prompts = encode_prompts(target.model.tokenizer, body.prompts, body.batched)
     request_id = new_request_id("cmpl")
-    service.log_accepted(request_id, model, body.user, len(prompts))
-    envelope = ResponseEnvelope(request_id, model)
-    answer = CompletionAnswer(envelope, service.tokenizer, prompts, body)
+    service.log_accepted(request_id, target.name, body.user, len(prompts))
+    envelope = ResponseEnvelope(request_id, target.name)
+    answer = CompletionAnswer(envelope, target.model.tokenizer, prompts, body)
     guided = service.completion_guided(body)
     generate_requests = completion_requests(body, request_id, prompts, guided)
     for generate_request in generate_requests:
-        generate_request.model = adapter
-    return await respond(service, request, body, answer, generate_requests)
+        generate_request.model = target.adapter
+    return await respond(service, request, body, answer, target.model, generate_requests)

@@ -34,8 +34,8 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeChatRequest | TokenizeComple
 @router.post("/tokenize")
 async def tokenize(service: Service, body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
     parsed = parse_tokenize(body)
-    service.served_name(parsed.model)
-    tokenizer = service.tokenizer
+    model = (await service.target(parsed.model, None)).model
+    tokenizer = model.tokenizer
     if isinstance(parsed, TokenizeChatRequest):
         token_ids = encode_messages(
             tokenizer,
@@ -48,11 +48,11 @@ async def tokenize(service: Service, body: dict[str, Any] = Body(...)) -> dict[s
     else:
         token_ids = tokenizer.encode_prompt(parsed.prompt, parsed.add_special_tokens)
     token_strs = tokenizer.token_strs(token_ids) if parsed.return_token_strs else None
-    return tokenize_body(token_ids, await service.max_model_len(), token_strs)
+    return tokenize_body(token_ids, await service.max_model_len(model), token_strs)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, service: Service) -> dict[str, str]:
-    service.served_name(body.model)
-    check_vocabulary(body.tokens, len(service.tokenizer))
-    return {"prompt": service.tokenizer.decode(body.tokens)}
+    tokenizer = (await service.target(body.model, None)).model.tokenizer
+    check_vocabulary(body.tokens, len(tokenizer))
+    return {"prompt": tokenizer.decode(body.tokens)}
