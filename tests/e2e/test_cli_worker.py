@@ -12,6 +12,7 @@ with those of the session's engine."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import signal
@@ -29,6 +30,7 @@ import pytest
 
 from messages.codec import MSGPACK
 from messages.control import ControlReply, ControlRequest
+from messages.embeddings import unpack
 from messages.frames import ResponseFrame
 from messages.kv import LoadReport
 from messages.subjects import Subjects
@@ -64,6 +66,7 @@ SUBJECTS = Subjects("cli", "vllm", "generate")
 MAX_MODEL_LEN = 256
 MAX_LOGPROBS = 7
 ADAPTER, ADAPTER_2 = "tiny-lora", "tiny-lora-2"  # vLLM's server's --lora-modules names
+SERVED = "tiny-chat"  # the CLI worker's --served-model-name
 LORA_PROMPT = [1, 300, 301, 302, 303]
 LORA_TOLERANCE = 1e-4
 INTERVAL = 4
@@ -93,6 +96,8 @@ async def cli_worker(
     proc = await start_cli_worker(
         nats_server.url,
         tiny_model,
+        "--served-model-name",
+        SERVED,
         "--enable-lora",
         "--max-lora-rank",
         "8",
@@ -148,7 +153,7 @@ async def test_the_cli_worker_takes_vllms_engine_arguments(
     infos = [i for i in await discover(client, "INFO") if i["metadata"]["instance_id"] == "cli1"]
     assert len(infos) == 1 and infos[0]["metadata"]["max_logprobs"] == "7"
     samples = await asyncio.to_thread(scrape, cli_worker.metrics_port)
-    model = f"model_name={tiny_model}"
+    model = f"model_name={SERVED}"
     assert samples[f"nats_worker_requests_total{{{model},outcome=length}}"] == 1
     assert samples[f"nats_worker_errors_total{{code=invalid_request,{model}}}"] == 2
     assert any(name.startswith("vllm:") for name in samples), "vLLM's own metrics are served too"
@@ -255,7 +260,8 @@ async def test_the_frontend_loads_lists_routes_and_unloads_adapters_as_vllm(
     completion by the adapter's name (as vLLM's server answers it) and
     `/v1/unload_lora_adapter`, through the frontend to the worker."""
     settings = FrontendSettings(
-        model_names=(str(tiny_model),),
+        model_names=(SERVED,),
+        model_path=str(tiny_model),
         subject=SUBJECTS.generate,
         allow_runtime_lora_updating=True,
     )
@@ -270,7 +276,7 @@ async def test_the_frontend_loads_lists_routes_and_unloads_adapters_as_vllm(
             assert loaded.status_code == 200, loaded.text
             assert loaded.text == f"Success: LoRA adapter '{ADAPTER_2}' added successfully."
             cards = {c["id"]: c for c in (await http.get("/v1/models")).json()["data"]}
-            assert cards[ADAPTER_2]["parent"] == str(tiny_model)
+            assert cards[ADAPTER_2]["parent"] == SERVED
             assert cards[ADAPTER_2]["root"] == str(tiny_lora_2)
             assert ADAPTER in cards
             ours = (await http.post("/v1/completions", json=request)).json()["choices"][0]
@@ -300,6 +306,121 @@ async def test_the_frontend_loads_lists_routes_and_unloads_adapters_as_vllm(
             assert message.startswith("1 of 1 workers failed: cli1: model_not_found: ")
             assert f"The lora adapter '{ADAPTER_2}' cannot be found." in message
     finally:
+        await nc.close()
+
+
+async def served_counts(client) -> dict[tuple[str, str], int]:
+    """(instance id, endpoint subject) → requests taken, from every worker's micro STATS."""
+    counts = {}
+    for stats in await discover(client, "STATS"):
+        instance = stats["metadata"]["instance_id"]
+        for endpoint in stats["endpoints"]:
+            counts[(instance, endpoint["subject"])] = endpoint["num_requests"]
+    return counts
+
+
+async def test_one_frontend_without_model_serves_every_model_of_the_cluster(
+    cli_worker: CliWorker,
+    nats_server: NatsServer,
+    client,
+    embedding_engine,
+    vllm_embed_server,
+    tiny_embedding_model: Path,
+    tiny_lora: Path,
+) -> None:
+    """A frontend started without `--model` learns the models from the workers' discovery:
+    the CLI worker's generator (served as tiny-chat) and its adapter, and an embedding model's
+    worker (a second tiny model, pooling). `/v1/models` lists them; each request reaches its
+    model's workers (their STATS count it); the embeddings equal vLLM's; once the embedding
+    model's last worker leaves, its name is a 404."""
+    from worker.config import NatsConfig, WorkerConfig
+    from worker.nats.runtime import open_worker
+
+    embed_subjects = Subjects("multi", "vllm", "embed")
+    embedder = await open_worker(
+        embedding_engine,
+        WorkerConfig(
+            nats=NatsConfig(servers=[nats_server.url]), subjects=embed_subjects, instance_id="emb1"
+        ),
+    )
+    embed_name = str(tiny_embedding_model)
+    nc = await nats.connect(nats_server.url)
+    app = create_app(FrontendSettings(discovery_refresh_s=0.5), None, nc=nc)
+    texts = ["The quick brown fox", "jumps over the lazy dog", "Hello"]
+    try:
+        async with serving(app) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
+            cards = {c["id"]: c for c in (await http.get("/v1/models")).json()["data"]}
+            assert cards[SERVED]["parent"] is None
+            assert cards[SERVED]["max_model_len"] == MAX_MODEL_LEN
+            assert cards[ADAPTER] == {**cards[ADAPTER], "parent": SERVED, "root": str(tiny_lora)}
+            assert cards[embed_name]["root"] == embed_name and cards[embed_name]["parent"] is None
+            before = await served_counts(client)
+
+            chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+            answer = await http.post("/v1/chat/completions", json={**chat, "model": SERVED})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == SERVED
+            prompt = {"prompt": "Hello world", "max_tokens": 4, "model": ADAPTER}
+            answer = await http.post("/v1/completions", json=prompt)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == ADAPTER
+
+            body = {"model": embed_name, "input": texts}
+            ours = await http.post("/v1/embeddings", json=body)
+            assert ours.status_code == 200, ours.text
+            async with httpx.AsyncClient(timeout=120) as them:
+                theirs = await them.post(vllm_embed_server.base_url + "/embeddings", json=body)
+                theirs64 = await them.post(
+                    vllm_embed_server.base_url + "/embeddings",
+                    json={**body, "encoding_format": "base64", "dimensions": 16},
+                )
+            ours64 = await http.post(
+                "/v1/embeddings", json={**body, "encoding_format": "base64", "dimensions": 16}
+            )
+            mine, other = ours.json(), theirs.json()
+            assert mine["object"] == "list" and mine["model"] == embed_name
+            assert mine["usage"] == other["usage"]
+            assert mine.keys() == other.keys()
+            assert [d["index"] for d in mine["data"]] == [0, 1, 2]
+            for a, b in zip(mine["data"], other["data"], strict=True):
+                assert a["object"] == "embedding" and len(a["embedding"]) == 64
+                worst = max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"], strict=True))
+                assert worst <= LORA_TOLERANCE, worst
+            for a, b in zip(ours64.json()["data"], theirs64.json()["data"], strict=True):
+                x, y = (unpack(base64.b64decode(d["embedding"])) for d in (a, b))
+                assert len(x) == 16 and max(abs(p - q) for p, q in zip(x, y, strict=True)) <= 1e-4
+
+            wrong = await http.post("/v1/embeddings", json={"model": SERVED, "input": "Hi"})
+            assert wrong.status_code == 400
+            assert "is a generate model, not a embed model" in wrong.json()["error"]["message"]
+            unknown = await http.post("/v1/completions", json={**prompt, "model": "nope"})
+            assert unknown.status_code == 404
+            assert unknown.json()["error"]["message"] == "The model `nope` does not exist."
+
+            after = await served_counts(client)
+            generated = sum(after[key] - before.get(key, 0) for key in after if key[0] == "cli1")
+            assert generated == 2, (before, after)
+            assert (
+                after[("emb1", embed_subjects.generate)]
+                - before.get(("emb1", embed_subjects.generate), 0)
+                == 2
+            )
+            others = {
+                key: after[key] - before.get(key, 0)
+                for key in after
+                if key[0] not in ("cli1", "emb1")
+            }
+            assert not any(others.values()), others
+
+            await embedder.stop()
+            await asyncio.sleep(1.5)  # the catalog's next rounds find it gone
+            gone = await http.post("/v1/embeddings", json=body)
+            assert gone.status_code == 404
+            assert gone.json()["error"]["message"] == f"The model `{embed_name}` does not exist."
+            listed = {c["id"] for c in (await http.get("/v1/models")).json()["data"]}
+            assert embed_name not in listed and SERVED in listed
+    finally:
+        await embedder.stop()
         await nc.close()
 
 
@@ -391,7 +512,7 @@ async def test_engine_death_answers_in_flight_and_exits_non_zero(
     assert len(engine) >= 2, [process_text(p) for p in psutil.Process(proc.pid).children()]
     signal_each(engine, signal.SIGSTOP)
     reading = asyncio.create_task(in_flight())
-    await until_in_flight(cli_worker.metrics_port, tiny_model, 1)
+    await until_in_flight(cli_worker.metrics_port, SERVED, 1)
     signal_each(engine, signal.SIGKILL)
     await asyncio.wait_for(reading, 60)
     final = frames[-1]

@@ -374,6 +374,7 @@ def embedding_body(
             "total_tokens": prompt_tokens,
             "completion_tokens": 0,
             "prompt_tokens_details": None,
+            "completion_tokens_details": None,
         },
     }
 
