@@ -128,13 +128,16 @@ def wait_http(url: str, process: subprocess.Popen[bytes], log: Path, within: flo
     raise SystemExit(f"{url} not ready in {within} s")
 
 
-def start_stack(model: Path, engine_argv: list[str], out: Path) -> tuple[list[Any], str]:
-    """nats-server, the worker and the frontend; returns (what to stop, the frontend's /v1)."""
+def start_stack(
+    model: Path | None, engine_argv: list[str], out: Path, name: str = "so"
+) -> tuple[list[Any], str]:
+    """nats-server, the worker and the frontend (with `--model`, or, None, learning the model
+    from the worker); returns (what to stop, the frontend's /v1)."""
     from bench.kv_routing import worker_env
     from worker.dev.embedded import NatsServer
 
     nats_server = NatsServer().start()
-    worker_log, frontend_log = out / "so_worker.log", out / "so_frontend.log"
+    worker_log, frontend_log = out / f"{name}_worker.log", out / f"{name}_frontend.log"
     worker = subprocess.Popen(
         [sys.executable, "-m", "worker", "--nats-url", nats_server.url, *engine_argv],
         stdout=worker_log.open("wb"), stderr=subprocess.STDOUT, env=worker_env(), cwd=ROOT,
@@ -142,8 +145,8 @@ def start_stack(model: Path, engine_argv: list[str], out: Path) -> tuple[list[An
     port = free_port()
     frontend = subprocess.Popen(
         [sys.executable, "-m", "worker.frontend", "--nats-url", nats_server.url,
-         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning"],
+         *(["--model", str(model)] if model is not None else []),
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         stdout=frontend_log.open("wb"), stderr=subprocess.STDOUT, env=worker_env(), cwd=ROOT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"

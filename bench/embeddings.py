@@ -1,0 +1,146 @@
+"""Embeddings through the stack (the OpenAI frontend, started without `--model`, + a NATS worker
+of a pooling model) ÷ vLLM's own OpenAI server, on the same tiny embedding model and engine
+arguments (`--runner pooling --convert embed`): `/v1/embeddings` with `--batch` text inputs per
+request, at N concurrent streams.
+
+Every process is its own: a nats-server, the worker, the frontend, vLLM's server, and each
+run's load generator (this script with `--load URL`, one process per run). Runs alternate
+between the sides; each ratio (stack ÷ vLLM) is per repeat, then the median. Throughput counts
+embedded inputs per second; latency is the request's.
+
+    python -m bench.embeddings [--concurrency 16] [--requests-per-stream 8] [--batch 8]
+        [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench.common import percentile, table, write_json
+from bench.structured_outputs import ROOT, start_stack, stop
+from bench.vllm_server import VllmOpenAIServer
+
+SIDES = ("stack", "vllm serve")
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
+
+
+def inputs(stream: int, request: int, batch: int) -> list[str]:
+    """`batch` texts of 6-20 words, different for every request."""
+    texts = []
+    for i in range(batch):
+        seed = stream * 7919 + request * 104729 + i * 31
+        length = 6 + seed % 15
+        texts.append(" ".join(WORDS[(seed + k * 3) % len(WORDS)] for k in range(length)))
+    return texts
+
+
+async def load(args: argparse.Namespace) -> dict[str, Any]:
+    """One closed-loop run against `args.load` (in its own process)."""
+    import aiohttp
+
+    latencies: list[float] = []
+    embedded = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(600)
+    ) as session:
+
+        async def stream(s: int) -> None:
+            nonlocal embedded
+            for r in range(args.requests_per_stream):
+                body = {"model": args.model, "input": inputs(s, r, args.batch)}
+                start = time.perf_counter()
+                async with session.post(f"{args.load}/embeddings", json=body) as answer:
+                    answer.raise_for_status()
+                    embedded += len((await answer.json())["data"])
+                latencies.append(time.perf_counter() - start)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(stream(s) for s in range(args.concurrency)))
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, "embedded": embedded, "latency_s": latencies}
+
+
+def run_load(args: argparse.Namespace, url: str, model: str) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "bench.embeddings", "--load", url, "--model", model,
+        "--concurrency", str(args.concurrency),
+        "--requests-per-stream", str(args.requests_per_stream), "--batch", str(args.batch),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def summary(result: dict[str, Any]) -> dict[str, float]:
+    return {
+        "inputs_per_s": result["embedded"] / result["wall_s"],
+        "latency_p50_s": percentile(result["latency_s"], 50),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests-per-stream", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--load", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.load:
+        print(json.dumps(asyncio.run(load(args))), flush=True)
+        return
+    from bench.common import OUT_DIR
+    from worker.dev.tiny_model import ensure_tiny_embedding_model
+
+    model = ensure_tiny_embedding_model()
+    engine_argv = ["--model", str(model), "--dtype", "float32", "--max-model-len", "512",
+                   "--enforce-eager", "--seed", "0", "--runner", "pooling",
+                   "--convert", "embed"]  # fmt: skip
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    peer = VllmOpenAIServer(engine_argv).launch()
+    stack: list[Any] = []
+    try:
+        stack, stack_url = start_stack(None, engine_argv, OUT_DIR, name="embed")
+        peer.wait_ready()
+        urls = {"stack": stack_url, "vllm serve": peer.base_url}
+        warm = argparse.Namespace(**{**vars(args), "requests_per_stream": 1})
+        for side in SIDES:
+            run_load(warm, urls[side], str(model))
+        ratios: dict[str, list[float]] = {"inputs_per_s": [], "latency_p50_s": []}
+        per_side: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+        for repeat in range(args.repeats):
+            order = SIDES if repeat % 2 == 0 else SIDES[::-1]
+            got = {side: summary(run_load(args, urls[side], str(model))) for side in order}
+            for side in SIDES:
+                per_side[side].append(got[side])
+            for key in ratios:
+                ratios[key].append(got["stack"][key] / got["vllm serve"][key])
+        row = [
+            args.concurrency, args.batch,
+            statistics.median(s["inputs_per_s"] for s in per_side["stack"]),
+            statistics.median(s["inputs_per_s"] for s in per_side["vllm serve"]),
+            statistics.median(ratios["inputs_per_s"]),
+            statistics.median(s["latency_p50_s"] for s in per_side["stack"]),
+            statistics.median(s["latency_p50_s"] for s in per_side["vllm serve"]),
+            statistics.median(ratios["latency_p50_s"]),
+        ]  # fmt: skip
+        headers = ["streams", "inputs/request", "stack inputs/s", "vLLM inputs/s",
+                   "inputs/s ratio", "stack p50 s", "vLLM p50 s", "p50 ratio"]  # fmt: skip
+        print(table(headers, [row]))
+        write_json("embeddings", {"args": vars(args), "rows": [row], "raw": per_side})
+    finally:
+        stop(stack)
+        peer.stop()
+
+
+if __name__ == "__main__":
+    main()
