@@ -30,6 +30,9 @@ class BlocksStored(msgspec.Struct, tag="stored", frozen=True):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
+    # The LoRA adapter whose request filled them (vLLM's `lora_name`); None: the base model's.
+    # An adapter's blocks are its own (vLLM hashes the adapter in), so a router keeps them apart.
+    lora_name: str | None = None
 
 
 class BlocksRemoved(msgspec.Struct, tag="removed", frozen=True):

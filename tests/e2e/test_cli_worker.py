@@ -32,7 +32,7 @@ from messages.codec import MSGPACK
 from messages.control import ControlReply, ControlRequest
 from messages.embeddings import unpack
 from messages.frames import ResponseFrame
-from messages.kv import LoadReport
+from messages.kv import BlocksStored, KvEventBatch, LoadReport
 from messages.subjects import Subjects
 from tests.helpers import (
     STATS_LINE,
@@ -228,9 +228,23 @@ async def test_lora_adapters_answer_as_vllms_server_and_an_unloaded_one_is_not_f
     base = await complete(
         client, make_request("lora-base", LORA_PROMPT, max_tokens=16), subject=SUBJECTS.generate
     )
+    events = await client.subscribe(SUBJECTS.kv("events", "cli1"))
     for adapter in (ADAPTER, ADAPTER_2):
         tokens = await assert_answers_as_vllm(client, vllm_server, adapter, LORA_PROMPT)
         assert tokens != base.choices[0].token_ids, f"{adapter} changed nothing"
+    # The blocks an adapter's request cached are published as that adapter's (vLLM hashes the
+    # adapter in), so a router's prefix index keeps them apart from the base model's. A prompt
+    # longer than a block (the CPU engine's are 128 tokens) stores one.
+    long_prompt = [1] + [300 + i for i in range(199)]
+    for adapter in (ADAPTER, ADAPTER_2):
+        request = make_request(f"lora-long-{adapter}", long_prompt, max_tokens=1)
+        request.model = adapter
+        await complete(client, request, subject=SUBJECTS.generate)
+    stored_for: set[str | None] = set()
+    while not {ADAPTER, ADAPTER_2} <= stored_for:
+        batch = msgspec.msgpack.decode((await events.next_msg(timeout=10)).data, type=KvEventBatch)
+        stored_for |= {e.lora_name for e in batch.events if isinstance(e, BlocksStored)}
+    await events.unsubscribe()
 
     unloaded = await command(client, command="unload_lora_adapter", lora_name=ADAPTER_2)
     assert unloaded.error is None and unloaded.adapters == {ADAPTER: str(tiny_lora)}

@@ -100,6 +100,35 @@ def test_vllm_batches_decode_in_the_map_and_the_array_forms():
     assert decode_batch(msgspec.msgpack.encode([1.0, [array_form]])) == [
         BlocksStored([8], 7, A[4:])
     ]
+    # vLLM 0.32's events name the adapter whose request stored the blocks (`lora_name`).
+    lora_form = ["BlockStored", [9], None, A[:4], 4, 12345, None, "tiny-lora", [["tiny-lora"]]]
+    offloaded_lora = ["BlockStored", [10], None, A[:4], 4, 12345, "CPU", "tiny-lora"]
+    assert decode_batch(msgspec.msgpack.encode([1.0, [lora_form, offloaded_lora]])) == [
+        BlocksStored([9], None, A[:4], "tiny-lora")
+    ]
+    assert decode_batch(msgspec.msgpack.encode([1.0, [dict(stored, lora_name="x")]])) == [
+        BlocksStored([7], None, A[:4], "x")
+    ]
+
+
+def test_an_adapters_blocks_are_its_own_in_the_index():
+    """vLLM hashes the adapter into its blocks: a request for an adapter overlaps only what that
+    adapter's requests cached, a base request only the base model's."""
+    index = PrefixIndex(4)
+    index.apply([BlocksStored([1], None, A[:4], "lora-a"), BlocksStored([2], 1, A[4:], "lora-a")])
+    index.apply([BlocksStored([3], None, B[:4])])
+    assert index.overlap(prefix_keys(A, 4, "lora-a")) == 2
+    assert index.overlap(prefix_keys(A, 4, "lora-b")) == 0
+    assert index.overlap(prefix_keys(A, 4)) == 1  # the base model's first block (from B)
+    assert index.overlap(prefix_keys(B, 4, "lora-a")) == 1  # lora-a's first block is A's = B's
+    assert prefix_keys(A, 4, "lora-a")[0] != prefix_keys(A, 4)[0]
+    # A router that joins later learns them from the worker's snapshot, adapter and all.
+    mirror = CacheMirror(4)
+    mirror.apply([BlocksStored([1], None, A[:4], "lora-a"), BlocksStored([2], 1, A[4:], "lora-a")])
+    joined = PrefixIndex(4)
+    joined.apply(mirror.chains())
+    assert joined.overlap(prefix_keys(A, 4, "lora-a")) == 2
+    assert joined.overlap(prefix_keys(A, 4)) == 0
 
 
 def test_kv_subjects():

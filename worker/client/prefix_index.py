@@ -5,7 +5,9 @@ ids and its parent's key, so one key stands for the whole prefix up to and inclu
 That makes an overlap a walk from the first block until the first key the worker lacks, and it
 makes the index independent of how the engine hashes (engine hashes only map events to keys).
 Python's hash of a tuple of ints is the same in every process (no hash randomisation for ints),
-and the keys never leave the process anyway.
+and the keys never leave the process anyway. A LoRA adapter's blocks chain from a root of their
+own (`root_of(name)`), as vLLM hashes the adapter into its blocks: an adapter's request overlaps
+only that adapter's cached blocks, a base request only the base model's.
 
 Invariant: `keys` holds exactly the keys of blocks the worker reported stored and not removed
 since its last clear, whose parent chain the index knows. A stored block whose parent it does not
@@ -26,10 +28,16 @@ def chain(parent: int, tokens: Sequence[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
-def prefix_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chained keys of the prompt's full blocks (a partial last block is never cached)."""
+def root_of(adapter: str | None) -> int:
+    """Where a sequence's chain starts: ROOT for the base model, its own root per adapter."""
+    return ROOT if adapter is None else hash(("lora", adapter))
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
+    """The chained keys of the prompt's full blocks (a partial last block is never cached), for
+    the base model or a LoRA adapter."""
     keys: list[int] = []
-    parent = ROOT
+    parent = root_of(adapter)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain(parent, token_ids[start : start + block_size])
         keys.append(parent)
@@ -63,7 +71,7 @@ class PrefixIndex:
 
     def _store(self, event: BlocksStored) -> None:
         if event.parent_block_hash is None:
-            parent = ROOT
+            parent = root_of(event.lora_name)
         elif (known := self._key_of.get(event.parent_block_hash)) is not None:
             parent = known
         else:

@@ -208,7 +208,7 @@ class KvRouter:
                 processes.setdefault(view.engine_id, []).append(view)
         for engine_id in self.engines.keys() - processes.keys():
             del self.engines[engine_id]
-        keys_by_size: dict[int, list[int]] = {}
+        keys_by_size: dict[int, list[int]] = {}  # the prompt's keys (for the adapter) per size
         best: list[tuple[EngineView, list[WorkerView], int]] = []
         best_score = float("-inf")
         for engine_id, views in processes.items():
@@ -225,7 +225,7 @@ class KvRouter:
                     if view.index is not None and not view.syncing:
                         size = view.index.block_size
                         if size not in keys_by_size:
-                            keys_by_size[size] = prefix_keys(token_ids, size)
+                            keys_by_size[size] = prefix_keys(token_ids, size, adapter)
                         overlap = max(overlap, view.index.overlap(keys_by_size[size]))
             score = overlap - self.load_weight * engine.busy
             if score > best_score:

@@ -38,8 +38,17 @@ log = logging.getLogger(__name__)
 END_SEQ = -1
 _DEVICE_MEDIA = (None, "GPU")
 _ATTENTION_KINDS = (None, "full_attention")
-# Positional fields of the array form, after the tag.
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+# Positional fields of the array form, after the tag (vLLM 0.32's order; older vLLM's events end
+# earlier: lora_name came after lora_id and medium).
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+)
 _REMOVED_FIELDS = ("block_hashes", "medium")
 REPLAY_TIMEOUT_S = 2.0
 
@@ -195,7 +204,13 @@ def _event(item: Any) -> KvEvent | None:
             return None
         if f.get("kv_cache_spec_kind") not in _ATTENTION_KINDS:
             return None
-        return BlocksStored(list(f["block_hashes"]), f["parent_block_hash"], list(f["token_ids"]))
+        lora_name = f.get("lora_name")
+        return BlocksStored(
+            list(f["block_hashes"]),
+            f["parent_block_hash"],
+            list(f["token_ids"]),
+            lora_name if isinstance(lora_name, str) else None,
+        )
     if kind == "BlockRemoved":
         _, f = _fields(item, _REMOVED_FIELDS)
         if f.get("medium") not in _DEVICE_MEDIA:

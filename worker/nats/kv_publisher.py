@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 class _Block:
     parent: BlockHash | None
     tokens: list[int]
+    lora_name: str | None = None
 
 
 class CacheMirror:
@@ -63,7 +64,7 @@ class CacheMirror:
                 for i, block_hash in enumerate(event.block_hashes):
                     tokens = event.token_ids[i * size : (i + 1) * size]
                     self.blocks.pop(block_hash, None)  # re-stored: it moves to the end
-                    self.blocks[block_hash] = _Block(parent, tokens)
+                    self.blocks[block_hash] = _Block(parent, tokens, event.lora_name)
                     parent = block_hash
             elif isinstance(event, BlocksRemoved):
                 for block_hash in event.block_hashes:
@@ -93,7 +94,7 @@ class CacheMirror:
         while frontier:
             block_hash = frontier.pop()
             block = blocks[block_hash]
-            ordered.append(BlocksStored([block_hash], block.parent, block.tokens))
+            ordered.append(BlocksStored([block_hash], block.parent, block.tokens, block.lora_name))
             frontier.extend(children.get(block_hash, ()))
         return ordered
 
