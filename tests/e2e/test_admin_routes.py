@@ -75,3 +75,42 @@ async def test_admin_routes_are_404_without_vllms_switches(worker, nats_server, 
             assert (await http.get("/is_sleeping")).status_code == 404
     finally:
         await nc.close()
+
+
+async def test_the_adapter_commands_of_a_name_run_one_at_a_time_and_leave_no_lock() -> None:
+    """VllmAdmin (worker/engine/admin.py, which needs vllm's LoRARequest) over a stand-in for
+    AsyncLLM's add_lora/remove_lora: two loads of one name never overlap, the second is
+    refused as vLLM's server refuses it, and no lock outlives the commands of its name (names
+    a client made up leave nothing behind)."""
+    import asyncio
+
+    from worker.engine.admin import VllmAdmin
+    from worker.engine.contract import AdminError
+
+    class Engine:
+        running = 0
+        most = 0
+
+        async def add_lora(self, request) -> bool:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            await asyncio.sleep(0.05)
+            self.running -= 1
+            return True
+
+        async def remove_lora(self, lora_id: int) -> bool:
+            return True
+
+    engine = Engine()
+    admin = VllmAdmin(engine, frozenset({"base"}))
+    results = await asyncio.gather(
+        admin.load_adapter("a", "/a"), admin.load_adapter("a", "/a"), return_exceptions=True
+    )
+    assert engine.most == 1
+    refused = [r for r in results if isinstance(r, AdminError)]
+    assert len(refused) == 1 and "has already been loaded" in str(refused[0])
+    for made_up in ("x", "y", "z"):
+        with pytest.raises(AdminError):
+            await admin.unload_adapter(made_up)
+    await admin.unload_adapter("a")
+    assert admin._locks == {}  # noqa: SLF001 - the invariant under test

@@ -11,9 +11,10 @@ worker runs on (a list, then a dict), and its error type with them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
-from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 from vllm.lora.request import LoRARequest
@@ -41,8 +42,24 @@ class VllmAdmin:
         self._llm = llm
         self._base = base_names
         self._loras: dict[str, LoRARequest] = {}
-        # One load or unload of a name at a time (vLLM's server locks per name too).
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # One load or unload of a name at a time (vLLM's server locks per name too); a name's
+        # lock lives while commands of it run or wait (`_one_at_a_time`), so names a client
+        # made up leave nothing behind.
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, name: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(name) or (asyncio.Lock(), 0)
+        self._locks[name] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[name]
+            if users == 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model. ModelNotFound for
@@ -66,7 +83,7 @@ class VllmAdmin:
             raise AdminError(
                 "invalid_request", f"The lora adapter '{name}' conflicts with a served base model."
             )
-        async with self._locks[name]:
+        async with self._one_at_a_time(name):
             previous = self._loras.get(name)
             if previous is not None and not load_inplace:
                 raise AdminError(
@@ -102,7 +119,7 @@ class VllmAdmin:
                 raise ValueError(f"--lora-modules {module.name}={module.path}: {error}") from None
 
     async def unload_adapter(self, name: str) -> None:
-        async with self._locks[name]:
+        async with self._one_at_a_time(name):
             request = self._loras.pop(name, None)
             if request is None:
                 raise AdminError("model_not_found", f"The lora adapter '{name}' cannot be found.")
