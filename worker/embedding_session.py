@@ -17,12 +17,12 @@ import logging
 import time
 
 from messages.embeddings import EmbedRequest, EmbedResult, EmbedUsage
-from messages.errors import ErrorCode, is_retryable
+from messages.errors import ErrorCode
 from worker.engine.contract import Embedder, EngineDead
 from worker.errors import WorkerError, describe
 from worker.framing import FrameWriter, Undeliverable
 from worker.metrics import WorkerMetrics
-from worker.session import Outcome, send_error
+from worker.session import Outcome, fail
 from worker.shared.log_text import loggable
 
 log = logging.getLogger(__name__)
@@ -98,16 +98,4 @@ class EmbedSession:
         return self.outcome
 
     async def _fail(self, code: ErrorCode, message: str) -> None:
-        self.outcome.error_code = code
-        self.outcome.error_message = message
-        if is_retryable(code) and not self.final_attempt:
-            self.outcome.requeue = True
-            return
-        try:
-            await send_error(self.writer, self.request.request_id, code, message)
-        except Undeliverable as error:
-            log.warning(
-                "request %s: error frame not sent: %s",
-                loggable(self.request.request_id),
-                loggable(error),
-            )
+        await fail(self.outcome, self.writer, code, message, final_attempt=self.final_attempt)

@@ -73,6 +73,27 @@ async def send_error(
     )
 
 
+async def fail(
+    outcome: Outcome, writer: FrameWriter, code: ErrorCode, message: str, *, final_attempt: bool
+) -> None:
+    """Ends a request with its error: recorded in `outcome`, and its one error frame sent,
+    unless the error is retryable and the intake delivers the request again (nothing is sent:
+    the next attempt answers). A frame that cannot be sent is logged, never raised."""
+    outcome.error_code = code
+    outcome.error_message = message
+    if is_retryable(code) and not final_attempt:
+        outcome.requeue = True
+        return
+    try:
+        await send_error(writer, outcome.request_id, code, message)
+    except Undeliverable as error:
+        log.warning(
+            "request %s: error frame not sent: %s", loggable(outcome.request_id), loggable(error)
+        )
+    except Exception:
+        log.exception("could not send the error frame of %s", loggable(outcome.request_id))
+
+
 class RequestSession:
     def __init__(
         self,
@@ -237,18 +258,4 @@ class RequestSession:
             self.metrics.tokens(count, None if last is None else now - last)
 
     async def _fail(self, code: ErrorCode, message: str) -> None:
-        self.outcome.error_code = code
-        self.outcome.error_message = message
-        if is_retryable(code) and not self.final_attempt:
-            self.outcome.requeue = True
-            return
-        try:
-            await send_error(self.writer, self.request.request_id, code, message)
-        except Undeliverable as error:
-            log.warning(
-                "request %s: error frame not sent: %s",
-                loggable(self.request.request_id),
-                loggable(error),
-            )
-        except Exception:
-            log.exception("could not send the error frame of %s", loggable(self.request.request_id))
+        await fail(self.outcome, self.writer, code, message, final_attempt=self.final_attempt)

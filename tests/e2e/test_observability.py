@@ -79,6 +79,9 @@ def test_help_shows_the_nats_groups_first_and_each_default_once() -> None:
     for flag in ("--nats-url", "--queue-group", "--drain-timeout", "--metrics-port"):
         assert text.index(flag, nats) < engine, flag
     flat = " ".join(text.split())
-    assert "third subject token (default: generate) --health-interval" in flat
+    assert (
+        "third subject token (default: generate; embed for a pooling model, started with "
+        "--runner pooling or --convert embed) --health-interval" in flat
+    )
     assert not re.search(r"\(default: [^)]*\) \(default:", flat), "a default shown twice"
     assert "--help=all" in flat

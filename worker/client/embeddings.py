@@ -9,7 +9,7 @@ caller sees one answer or one RequestError. Frames are read as generation frames
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
@@ -20,7 +20,13 @@ from messages.errors import is_retryable
 from messages.subjects import EMBED_ENDPOINT, REPLY_HEADER, Subjects
 from worker.client.library import other_workers, publish_cancel
 from worker.client.migration import SILENCE_TIMEOUT_S
-from worker.client.reader import FrameOrderError, Inbox, RequestError, frame_payloads
+from worker.client.reader import (
+    FrameOrder,
+    FrameOrderError,
+    Inbox,
+    RequestError,
+    frame_payloads,
+)
 from worker.shared.log_text import loggable
 
 DEFAULT_SUBJECTS = Subjects(endpoint=EMBED_ENDPOINT)
@@ -86,20 +92,12 @@ async def _one_answer(
     timeout: float,
     silence: float | None,
 ) -> Embeddings:
-    inbox = nc.new_inbox()
-    subscription = await Inbox.open(nc, inbox)
-    headers = {"Content-Type": codec.content_type} if codec is JSON else None
-    answered = False
-    try:
-        await nc.publish(target, codec.encode(request), reply=inbox, headers=headers)
-        payloads = frame_payloads(subscription, timeout, silence)
-        result = await _fold(request, _frames(payloads, codec, attempts=False))
-        answered = True
-        return result
-    finally:
-        if not answered:
-            await publish_cancel(nc, subjects.cancel, request.request_id, inbox)
-        await subscription.unsubscribe()
+    headers = {"Content-Type": codec.content_type} if codec is JSON else {}
+
+    async def send(inbox: str) -> None:
+        await nc.publish(target, codec.encode(request), reply=inbox, headers=headers or None)
+
+    return await _answer(nc, request, subjects, codec, send, timeout, silence, queued=False)
 
 
 async def jetstream_embed(
@@ -113,16 +111,37 @@ async def jetstream_embed(
     """Publishes to the work queue of a `--mode jetstream` embedding worker (with a JetStream
     ack) and reads the answer of the last delivery attempt: the queue redelivers a request whose
     worker died, and the frames of a newer attempt replace the older one's."""
+
+    async def send(inbox: str) -> None:
+        headers = {REPLY_HEADER: inbox}
+        if codec is JSON:
+            headers["Content-Type"] = codec.content_type
+        await nc.jetstream().publish(subjects.queue, codec.encode(request), headers=headers)
+
+    return await _answer(nc, request, subjects, codec, send, timeout, None, queued=True)
+
+
+async def _answer(
+    nc: NATS,
+    request: EmbedRequest,
+    subjects: Subjects,
+    codec: Codec,
+    send: Callable[[str], Awaitable[None]],
+    timeout: float,
+    silence: float | None,
+    *,
+    queued: bool,
+) -> Embeddings:
+    """The request sent by `send(inbox)` and its answer read from the inbox (subscribed first,
+    so nothing is missed); leaving before the answer cancels it on the worker. `queued`: it may
+    wait in a work queue (no silence counted before the first message) and be redelivered."""
     inbox = nc.new_inbox()
     subscription = await Inbox.open(nc, inbox)
-    headers = {REPLY_HEADER: inbox}
-    if codec is JSON:
-        headers["Content-Type"] = codec.content_type
     answered = False
     try:
-        await nc.jetstream().publish(subjects.queue, codec.encode(request), headers=headers)
-        payloads = frame_payloads(subscription, timeout, quiet_until_heard=True)
-        result = await _fold(request, _frames(payloads, codec, attempts=True))
+        await send(inbox)
+        payloads = frame_payloads(subscription, timeout, silence, quiet_until_heard=queued)
+        result = await _fold(request, _frames(payloads, codec, attempts=queued))
         answered = True
         return result
     finally:
@@ -136,18 +155,11 @@ async def _frames(
 ) -> AsyncGenerator[EmbedResult, None]:
     """The frames of the request in `seq` order, a newer attempt's restarting the count (the
     frames of an older attempt are skipped), until one with a finish reason."""
-    attempt, expected = 0, 0
+    order = FrameOrder(attempts)
     async for data in payloads:
         frame = codec.decode_as(data, EmbedResult)
-        if attempts:
-            frame_attempt = frame.attempt or 0
-            if frame_attempt < attempt:
-                continue
-            if frame_attempt > attempt:
-                attempt, expected = frame_attempt, 0
-        if frame.seq != expected:
-            raise FrameOrderError(f"expected seq {expected}, got {frame.seq}")
-        expected += 1
+        if not order.take(frame.seq, frame.attempt):
+            continue
         yield frame
         if frame.finish_reason is not None:
             return

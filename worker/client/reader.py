@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import nats.errors
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -70,6 +70,34 @@ class RequestEnd:
         """A new delivery attempt (JetStream) starts the request over."""
         self.finished.clear()
         self.ended = False
+
+
+class FrameOrder:
+    """The `seq` order of one request's frames (0, 1, 2, …; a gap or a reordering is a
+    FrameOrderError). With `attempts` (JetStream), a frame of a newer delivery attempt restarts
+    the count and late frames of an older attempt are skipped."""
+
+    def __init__(self, attempts: bool) -> None:
+        self.attempts = attempts
+        self.attempt = 0
+        self.expected = 0
+        self.restarted = False
+        """Whether the frame last taken began a newer attempt."""
+
+    def take(self, seq: int, attempt: int | None | UnsetType) -> bool:
+        """False for a late frame of an older attempt (skip it)."""
+        self.restarted = False
+        if self.attempts:
+            frame_attempt = attempt or 0
+            if frame_attempt < self.attempt:
+                return False
+            if frame_attempt > self.attempt:
+                self.attempt, self.expected, self.restarted = frame_attempt, 0, True
+        if seq != self.expected:
+            where = f"attempt {self.attempt}: " if self.attempts else ""
+            raise FrameOrderError(f"{where}expected seq {self.expected}, got {seq}")
+        self.expected += 1
+        return True
 
 
 class MessageSource(Protocol):
@@ -190,22 +218,14 @@ async def read_frames(
     `frame_payloads` (with `attempts`, counted from the first message, as the request may wait
     in its stream).
     """
-    attempt = 0
-    expected_seq = 0
+    order = FrameOrder(attempts)
     payloads = frame_payloads(subscription, timeout, silence, quiet_until_heard=attempts)
     async for data in payloads:
         frame = codec.decode_frame(data)
-        if attempts:
-            frame_attempt = frame.attempt or 0
-            if frame_attempt < attempt:
-                continue
-            if frame_attempt > attempt:
-                attempt, expected_seq = frame_attempt, 0
-                end.restart()
-        if frame.seq != expected_seq:
-            where = f"attempt {attempt}: " if attempts else ""
-            raise FrameOrderError(f"{where}expected seq {expected_seq}, got {frame.seq}")
-        expected_seq += 1
+        if not order.take(frame.seq, frame.attempt):
+            continue
+        if order.restarted:
+            end.restart()
         ended = end.saw(frame.index, frame.finish_reason)
         yield frame
         if ended:
