@@ -23,12 +23,15 @@ from typing import Any
 
 from messages.subjects import EMBED_ENDPOINT, Subjects
 from worker.config import (
+    AUTO,
     ENVIRONMENT,
     JetStreamSettings,
     WorkerConfig,
-    at_least_one,
+    auto_worker_processes,
+    cores,
     default,
     environment,
+    process_count,
 )
 from worker.engine import args as engine_cli
 from worker.shared.nats_options import add_nats_arguments, nats_config
@@ -90,10 +93,10 @@ OPTIONS: list[Option] = [
         WorkerConfig,
         "processes",
         "worker processes over one engine core, each an AsyncLLM client with its own NATS "
-        "connection in the queue group (vLLM's front-end scale-out, vLLM 0.24 and 0.32+); "
-        "as vllm serve's --api-server-count; 4 on a GPU host under high "
-        "concurrency (README: Worker processes)",
-        at_least_one,
+        "connection in the queue group (vLLM's front-end scale-out, vLLM 0.24 and 0.32+; "
+        "as vllm serve's --api-server-count); auto: 4 per engine core on a GPU host (as many "
+        "as half the cores allow), 1 without a GPU (README: Worker processes)",
+        process_count,
     ),
     Option(
         "--max-concurrency",
@@ -296,6 +299,17 @@ def worker_config(args: argparse.Namespace, client_count: int = 1) -> WorkerConf
     if args.mode == "jetstream":
         config.jetstream = jetstream_settings(args, config)
     return config
+
+
+def resolve_worker_processes(args: argparse.Namespace) -> int:
+    """`--worker-processes`, "auto" sized from the machine (worker.config.auto_worker_processes:
+    the platform vLLM detects, the cores, the engine's data-parallel size)."""
+    if args.worker_processes != AUTO:
+        return int(args.worker_processes)
+    from vllm.platforms import current_platform
+
+    gpu = bool(current_platform.is_cuda_alike())
+    return auto_worker_processes(gpu, cores(), getattr(args, "data_parallel_size", 1) or 1)
 
 
 def pooling(args: argparse.Namespace) -> bool:

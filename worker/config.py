@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal
 
 from messages.subjects import Subjects
 
@@ -88,6 +88,42 @@ def at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+AUTO: Final = "auto"
+ProcessCount = int | Literal["auto"]
+"""A count of processes, or "auto": sized from the machine when the command starts."""
+
+
+def process_count(text: str) -> ProcessCount:
+    """The command-line type of `--worker-processes` and the frontend's `--processes`."""
+    return AUTO if text == AUTO else at_least_one(text)
+
+
+def auto_worker_processes(gpu: bool, cores: int, data_parallel: int = 1) -> int:
+    """`--worker-processes auto`. On a GPU host, 4 per engine core (data-parallel rank), as
+    many as half the cores allow: at 256 streams one process's event loop is the bottleneck
+    (vLLM's client-side output path and the worker's frames), four reached the engine's ceiling
+    and eight gave no more (README: Worker processes). Without a GPU, 1: the engine's forward
+    pass takes the cores, and a process more only competes with it."""
+    if not gpu:
+        return 1
+    return max(1, min(4 * max(1, data_parallel), cores // 2))
+
+
+def auto_frontend_processes(cores: int) -> int:
+    """The frontend's `--processes auto`: one per four cores, at most 4 (tokenizing and SSE
+    encoding are one core's work per process; the GPU runs measured 4 at the engine's
+    ceiling), and 1 on a small host such as a 2-core CI machine."""
+    return max(1, min(4, cores // 4))
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def default(cls: type, name: str) -> Any:
@@ -195,6 +231,7 @@ class WorkerConfig:
     jetstream: JetStreamSettings | None = None
     """`--mode jetstream`: requests come from this work queue instead of the core subjects
     (worker/nats/intake/); None: core mode."""
-    processes: int = 1
+    processes: ProcessCount = AUTO
     """Worker processes over one engine core (worker/engine/scaleout.py), each with its own NATS
-    connection in the same queue group; max_concurrency is the whole worker's, split evenly."""
+    connection in the same queue group; max_concurrency is the whole worker's, split evenly.
+    "auto": `auto_worker_processes` when the command starts."""

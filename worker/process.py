@@ -27,9 +27,10 @@ from worker.cli import (
     engine_args,
     missing_for_production,
     pooling,
+    resolve_worker_processes,
     worker_config,
 )
-from worker.config import WorkerConfig
+from worker.config import AUTO, WorkerConfig
 from worker.engine import logs as engine_logs
 from worker.metrics import WorkerMetrics
 
@@ -308,6 +309,10 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.worker_log_level)
     code = 1
     try:
+        asked = args.worker_processes
+        args.worker_processes = resolve_worker_processes(args)
+        if asked == AUTO:
+            log.info("--worker-processes auto: %d", args.worker_processes)
         if args.worker_processes > 1:
             code = serve_processes(args)
         else:

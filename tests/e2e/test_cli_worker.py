@@ -541,6 +541,7 @@ async def test_engine_death_answers_in_flight_and_exits_non_zero(
     assert "request cli-1 length tokens=5" in output  # one log line per request outcome
     assert "request cli-2 invalid_request" in output
     assert "Passing raw prompts" not in output
+    assert "--worker-processes auto: 1" in output  # no GPU: one process, as before "auto"
     # The worker's own log lines have vLLM's format, as vLLM's stats line has.
     worker_line = next(line for line in lines if "request obs-1 length tokens=64" in line)
     stats_line = next(line for line in lines if re.search(STATS_LINE, line))

@@ -285,3 +285,37 @@ def test_frontend_options_defaults_and_api_key_from_env(monkeypatch) -> None:
     assert settings_of(args).api_key == "sk-env"
     assert settings_of(args).model_names == ("a", "b")
     assert settings_of(parse_args(["--model", "/m", "--api-key", "sk-flag"])).api_key == "sk-flag"
+
+
+def test_process_counts_default_to_auto_sized_from_the_machine() -> None:
+    """`--worker-processes` and the frontend's `--processes` default to "auto": 4 worker
+    processes per engine core on a GPU host with the cores for them, 1 without a GPU (the CPU
+    engine needs the cores); one frontend process per 4 cores, at most 4, so a 2-core machine
+    runs one of each and pays nothing."""
+    import argparse
+
+    from worker.cli import build_parser
+    from worker.config import (
+        AUTO,
+        auto_frontend_processes,
+        auto_worker_processes,
+        process_count,
+    )
+    from worker.frontend.cli import parse_args
+    from worker.frontend.settings import FrontendSettings
+
+    assert default(WorkerConfig, "processes") == AUTO == "auto"
+    assert FrontendSettings().processes == AUTO
+    assert build_parser().parse_args(["--dev"]).worker_processes == AUTO
+    assert parse_args([]).processes == AUTO
+    assert parse_args(["--processes", "3"]).processes == 3
+    assert process_count("auto") == AUTO and process_count("2") == 2
+    with pytest.raises(argparse.ArgumentTypeError, match="must be >= 1, got 0"):
+        process_count("0")
+    # (gpu, cores, data-parallel size) → worker processes
+    assert auto_worker_processes(False, 64) == 1
+    assert auto_worker_processes(True, 16) == 4
+    assert auto_worker_processes(True, 4) == 2
+    assert auto_worker_processes(True, 1) == 1
+    assert auto_worker_processes(True, 64, data_parallel=2) == 8
+    assert [auto_frontend_processes(c) for c in (1, 2, 4, 8, 16, 128)] == [1, 1, 1, 2, 4, 4]

@@ -13,10 +13,13 @@ import tempfile
 
 from worker.client.router import ROUTING_MODES
 from worker.config import (
-    at_least_one,
+    AUTO,
+    auto_frontend_processes,
+    cores,
     default,
     env_flag,
     environment,
+    process_count,
     share_metrics_with_children,
 )
 from worker.frontend.settings import FrontendSettings
@@ -118,10 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--processes",
-        type=at_least_one,
+        type=process_count,
         default=_default("processes"),
-        help="frontend processes on the port, each with its own event loop, tokenizer and NATS "
-        "connection (worker/frontend/processes.py; default: %(default)s)",
+        help="frontend processes on the port, each with its own event loop, tokenizers and NATS "
+        "connection (worker/frontend/processes.py); auto: one per 4 cores, at most 4 "
+        "(default: %(default)s)",
     )
     _add_parser_arguments(parser)
     parser.add_argument("--log-level", default="info")
@@ -220,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     if refusal := asyncio.run(_check_nats(args)):
         print(f"frontend: {refusal}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if args.processes == AUTO:
+        args.processes = auto_frontend_processes(cores())
+        logging.info("--processes auto: %d", args.processes)
     if args.processes == 1:
         serve(args)
         return

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from messages.subjects import Subjects
 from worker.client.migration import MIGRATION_LIMIT, SILENCE_TIMEOUT_S
 from worker.client.router import RoutingMode
+from worker.config import AUTO, ProcessCount
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,8 +49,9 @@ class FrontendSettings:
     """All interfaces, as `vllm serve`: the frontend is a network service (a container's port);
     use `--host 127.0.0.1` (or `--api-key`) where the network is not trusted."""
     port: int = 8000
-    processes: int = 1
-    """Frontend processes on the port (worker/frontend/processes.py)."""
+    processes: ProcessCount = AUTO
+    """Frontend processes on the port (worker/frontend/processes.py); "auto":
+    `worker.config.auto_frontend_processes` when the command starts."""
     metrics_dir: str | None = None
     """prometheus-client's multiprocess directory when several processes serve (set by the
     command line); `/metrics` then sums every process's metrics. None: this process's own."""
