@@ -306,9 +306,7 @@ def resolve_worker_processes(args: argparse.Namespace) -> int:
     the platform vLLM detects, the cores, the engine's data-parallel size)."""
     if args.worker_processes != AUTO:
         return int(args.worker_processes)
-    from vllm.platforms import current_platform
-
-    gpu = bool(current_platform.is_cuda_alike())
+    gpu = engine_cli.on_gpu()
     return auto_worker_processes(gpu, cores(), getattr(args, "data_parallel_size", 1) or 1)
 
 

@@ -294,7 +294,6 @@ def test_process_counts_default_to_auto_sized_from_the_machine() -> None:
     runs one of each and pays nothing."""
     import argparse
 
-    from worker.cli import build_parser
     from worker.config import (
         AUTO,
         auto_frontend_processes,
@@ -306,7 +305,6 @@ def test_process_counts_default_to_auto_sized_from_the_machine() -> None:
 
     assert default(WorkerConfig, "processes") == AUTO == "auto"
     assert FrontendSettings().processes == AUTO
-    assert build_parser().parse_args(["--dev"]).worker_processes == AUTO
     assert parse_args([]).processes == AUTO
     assert parse_args(["--processes", "3"]).processes == 3
     assert process_count("auto") == AUTO and process_count("2") == 2

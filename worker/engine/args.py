@@ -156,6 +156,13 @@ def tiny_engine_args(model: Path, **overrides: object) -> Any:
     return AsyncEngineArgs(**settings)
 
 
+def on_gpu() -> bool:
+    """Whether vLLM runs on a GPU here (its detected platform: CUDA or ROCm)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda_alike())
+
+
 def vllm_version() -> str:
     from vllm import __version__
 
