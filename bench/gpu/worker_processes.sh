@@ -11,7 +11,8 @@
 #   SIDE=worker N=2 bash bench/gpu/worker_processes.sh      the worker, --worker-processes 2
 #   SIDE=stack N=4 P=4 bash bench/gpu/worker_processes.sh   the OpenAI stack: the worker (N
 #       processes) behind `python -m worker.frontend --processes P`, loaded over HTTP as vllm
-#       serve is
+#       serve is; N=auto P=auto: neither flag given (the defaults), N read from the worker's
+#       `--worker-processes auto: N` line
 #   ... PROFILE=1: also py-spy during one run at PROFILE_LOGPROBS (20 for SIDE=worker, off for
 #   SIDE=stack) on worker process 0, and with SIDE=stack on one frontend process at the same
 #   time, with `top` snapshots of every process; needs py-spy's wheel in .gpu/, carried with
@@ -135,17 +136,28 @@ case "$SIDE" in
     ;;
   stack)
     label=stack$N$P$TAG$ROUND
-    python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
+    worker_flags=(--worker-processes "$N"); [ "$N" = auto ] && worker_flags=()
+    frontend_flags=(--processes "$P"); [ "$P" = auto ] && frontend_flags=()
+    python3 -m worker --nats-url nats://127.0.0.1:4222 "${worker_flags[@]}" --model "$MODEL" \
       "${ENGINE[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
-    wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
+    count=$N
+    if [ "$N" = auto ]; then
+      until grep -q "worker-processes auto: " "$OUT/worker-$label.log"; do
+        kill -0 $worker 2>/dev/null || { echo "worker died"; tail -30 "$OUT/worker-$label.log"; exit 1; }
+        sleep 1
+      done
+      count=$(grep -o "worker-processes auto: [0-9]*" "$OUT/worker-$label.log" | head -1 | awk '{print $3}')
+      echo "--worker-processes auto: $count"
+    fi
+    wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$count" $worker || exit 1
     # ROUTERS="kv queue": one frontend after the other on the same worker (one engine start),
     # each with `--router R`, labelled stack<N><P>-<R>; unset: one frontend, label stack<N><P>.
     for router in ${ROUTERS:-default}; do
       flabel=$label; router_args=()
       [ "$router" != default ] && flabel=stack$N$P$TAG-$router$ROUND && router_args=(--router "$router")
       python3 -m worker.frontend --nats-url nats://127.0.0.1:4222 --model "$MODEL" \
-        --processes "$P" --host 127.0.0.1 --port 8000 --log-level warning "${FRONTEND_ARGS[@]}" \
+        "${frontend_flags[@]}" --host 127.0.0.1 --port 8000 --log-level warning "${FRONTEND_ARGS[@]}" \
         "${router_args[@]}" > "$OUT/frontend-$flabel.log" 2>&1 &
       frontend=$!
       until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
