@@ -24,7 +24,13 @@ from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry
 
 from bench.vllm_server import VllmOpenAIServer
-from tests.helpers import TEST_MAX_PAYLOAD, TEST_SUBJECTS
+from tests.helpers import (
+    DOOMED_CORE,
+    DOOMED_JETSTREAM,
+    EARLY_WORKERS,
+    TEST_MAX_PAYLOAD,
+    TEST_SUBJECTS,
+)
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
 from worker.dev.tiny_model import ensure_tiny_embedding_model, ensure_tiny_lora, ensure_tiny_model
@@ -113,6 +119,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 )
         if not overridden and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LAYER_TIMEOUT_S[layer]))
+    _second_session_last(items)
+
+
+def _second_session_last(items: list[pytest.Item]) -> None:
+    """The second_session tests run after everything else of their pytest process (the
+    integration layer, in .ci/run): their CLI workers start early (`_early_workers`) and are
+    ready by then."""
+    items.sort(key=lambda item: item.get_closest_marker("second_session") is not None)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -214,6 +228,21 @@ def tiny_lora() -> Path:
 def tiny_lora_2() -> Path:
     """A second one (another seed), loaded at run time."""
     return ensure_tiny_lora(seed=2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+async def _early_workers(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """When the session runs the SIGKILL migration tests (second_session, run last), their CLI
+    workers start at its first test (tests.helpers.EarlyWorkers)."""
+    if not any(item.get_closest_marker("second_session") for item in request.session.items):
+        yield
+        return
+    url = request.getfixturevalue("nats_server").url
+    model = request.getfixturevalue("tiny_model")
+    for flags in (DOOMED_CORE, DOOMED_JETSTREAM):
+        await EARLY_WORKERS.start(url, model, *flags)
+    yield
+    await EARLY_WORKERS.stop()
 
 
 @pytest.fixture(scope="session")

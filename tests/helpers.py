@@ -197,6 +197,76 @@ async def collect(stream, lines: list[str]) -> None:
 
 
 @dataclass
+class Started:
+    """A CLI worker started with its own process group, its output read into `lines` by
+    `output` from the start (an unread pipe would stall the worker once full)."""
+
+    proc: asyncio.subprocess.Process
+    lines: list[str]
+    output: asyncio.Task[None]
+
+    @classmethod
+    async def start(cls, nats_url: str, model: Path, *flags: str) -> Started:
+        proc = await start_cli_worker(nats_url, model, *flags, own_session=True)
+        lines: list[str] = []
+        return cls(proc, lines, asyncio.create_task(collect(proc.stdout, lines)))
+
+    async def metrics_port(self, processes: int = 1) -> int:
+        """`ready_metrics_port` from the lines read so far and to come."""
+        deadline = time.monotonic() + 300 + 150 * (processes - 1)
+        while sum("vllm-nats-worker ready:" in line for line in self.lines) < processes:
+            assert self.proc.returncode is None and time.monotonic() < deadline, "".join(
+                self.lines[-60:]
+            )
+            await asyncio.sleep(0.2)
+        ports = re.findall(r"metrics http://127\.0\.0\.1:(\d+)/metrics", "".join(self.lines))
+        assert len(set(ports)) == 1, ports
+        return int(ports[0])
+
+    async def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
+        self.output.cancel()
+
+
+class EarlyWorkers:
+    """CLI workers started at the session's first test for tests that come last (the SIGKILL
+    migration tests, .ci/run's integration job): their engines' start (one to three minutes
+    each on a busy CI host) overlaps the integration layer, which mostly waits, instead of
+    adding to it. A test takes its worker by the exact flags it would start it with."""
+
+    def __init__(self) -> None:
+        self._started: dict[tuple[str, ...], Started] = {}
+
+    async def start(self, nats_url: str, model: Path, *flags: str) -> None:
+        self._started[flags] = await Started.start(nats_url, model, *flags)
+
+    def take(self, flags: tuple[str, ...]) -> Started | None:
+        return self._started.pop(flags, None)
+
+    async def stop(self) -> None:
+        """Kills what no test took (a run that failed or stopped early)."""
+        for started in self._started.values():
+            await started.kill()
+        self._started.clear()
+
+
+EARLY_WORKERS = EarlyWorkers()
+
+# The CLI workers the SIGKILL migration tests kill (tests/e2e/test_migration.py), by their whole
+# flags (after the model's): started early when those tests are selected (tests/conftest.py).
+_METRICS = ("--metrics-port", "0", "--metrics-host", "127.0.0.1")
+DOOMED_CORE = ("--namespace", "e2emigrate", "--worker-processes", "1", *_METRICS)
+DOOMED_JETSTREAM = (
+    "--mode", "jetstream", "--namespace", "e2ejsmigrate", "--js-ack-wait", "8",
+    # Two worker processes, each taking at most half of --max-concurrency: 64 in flight means
+    # both pull the one durable consumer.
+    "--max-concurrency", "64", "--worker-processes", "2", *_METRICS,
+)  # fmt: skip
+
+
+@dataclass
 class Tally:
     """What a reader saw of one request's stream (see `tally`)."""
 

@@ -30,17 +30,18 @@ from messages.request import GenerateRequest
 from messages.subjects import Subjects
 from tests.e2e.conftest import MIGRATED_STREAMS, MIGRATED_TOKENS, migrated_request
 from tests.helpers import (
+    DOOMED_CORE,
+    DOOMED_JETSTREAM,
+    EARLY_WORKERS,
     REAPER,
+    Started,
     Streams,
     check_continued,
-    collect,
     engine_processes,
     process_text,
-    ready_metrics_port,
     run_in_slices,
     serving,
     signal_each,
-    start_cli_worker,
     stream_state,
     until_in_flight,
     wait_gone,
@@ -51,7 +52,6 @@ from worker.config import JetStreamSettings, NatsConfig, WorkerConfig
 from worker.nats.runtime import WorkerRuntime, open_worker
 
 STREAMS, TOKENS, CLIENTS = MIGRATED_STREAMS, MIGRATED_TOKENS, 4
-METRICS = ("--metrics-port", "0", "--metrics-host", "127.0.0.1")
 
 
 def _report_stalls(streams: Streams, killed_at: float, mode: str) -> None:
@@ -145,25 +145,20 @@ OpenStream = Callable[[nats.NATS, GenerateRequest], AsyncIterator[ResponseFrame]
 
 @contextlib.asynccontextmanager
 async def _doomed_worker(
-    nats_url: str, model: Path, *flags: str, processes: int = 1
+    nats_url: str, model: Path, flags: tuple[str, ...]
 ) -> AsyncIterator[_Doomed]:
-    flags += ("--worker-processes", str(processes), *METRICS)
-    proc = await start_cli_worker(nats_url, model, *flags, own_session=True)
+    """The CLI worker of `flags` (tests.helpers.DOOMED_*): the one started early for this test
+    (tests/conftest.py), else one started now."""
+    started = EARLY_WORKERS.take(flags) or await Started.start(nats_url, model, *flags)
+    processes = int(flags[flags.index("--worker-processes") + 1])
     doomed = None
-    output = None
     try:
         clients = [await nats.connect(nats_url) for _ in range(CLIENTS)]
-        lines: list[str] = []
-        port = await ready_metrics_port(proc, lines, processes)
-        output = asyncio.create_task(collect(proc.stdout, lines))
-        doomed = _Doomed(proc, port, model, clients, lines, output)
+        port = await started.metrics_port(processes)
+        doomed = _Doomed(started.proc, port, model, clients, started.lines, started.output)
         yield doomed
     finally:
-        if output is not None:
-            output.cancel()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        await started.kill()
         if doomed is not None:
             for task in doomed.tasks:
                 task.cancel()
@@ -178,7 +173,7 @@ async def test_a_sigkilled_worker_loses_no_stream_and_changes_no_token(
     engine, nats_server, tiny_model, undisturbed
 ) -> None:
     subjects = Subjects("e2emigrate", "vllm", "generate")
-    async with _doomed_worker(nats_server.url, tiny_model, "--namespace", "e2emigrate") as doomed:
+    async with _doomed_worker(nats_server.url, tiny_model, DOOMED_CORE) as doomed:
         await doomed.every_stream_mid_flight(
             lambda client, request: generate(client, request, subject=subjects.generate)
         )
@@ -205,12 +200,8 @@ async def test_jetstream_a_sigkilled_worker_loses_no_user_stream_and_restarts_no
     token 0); the killed worker's messages, redelivered at `ack_wait`, find nobody listening and
     are terminated, so the queue ends empty."""
     subjects = Subjects("e2ejsmigrate", "vllm", "generate")
-    settings = JetStreamSettings(ack_wait_s=8.0)
-    flags = ("--mode", "jetstream", "--namespace", "e2ejsmigrate", "--js-ack-wait", "8")
-    # Two worker processes, each taking at most half of --max-concurrency: 64 in flight means
-    # both pull the one durable consumer.
-    flags += ("--max-concurrency", str(STREAMS))
-    async with _doomed_worker(nats_server.url, tiny_model, *flags, processes=2) as doomed:
+    settings = JetStreamSettings(ack_wait_s=8.0)  # DOOMED_JETSTREAM's --js-ack-wait
+    async with _doomed_worker(nats_server.url, tiny_model, DOOMED_JETSTREAM) as doomed:
         await doomed.every_stream_mid_flight(
             lambda client, request: jetstream_stream(client, request, subjects=subjects)
         )
