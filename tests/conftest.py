@@ -26,7 +26,6 @@ from prometheus_client import CollectorRegistry
 from bench.vllm_server import VllmOpenAIServer
 from tests.helpers import (
     DOOMED_CORE,
-    DOOMED_JETSTREAM,
     EARLY_WORKERS,
     TEST_MAX_PAYLOAD,
     TEST_SUBJECTS,
@@ -232,15 +231,15 @@ def tiny_lora_2() -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 async def _early_workers(request: pytest.FixtureRequest) -> AsyncIterator[None]:
-    """When the session runs the SIGKILL migration tests (second_session, run last), their CLI
-    workers start at its first test (tests.helpers.EarlyWorkers)."""
+    """When the session runs the SIGKILL migration tests (second_session, run last), the core
+    test's CLI worker starts at its first test (tests.helpers.EarlyWorkers; why not the
+    JetStream test's: tests.helpers.DOOMED_JETSTREAM)."""
     if not any(item.get_closest_marker("second_session") for item in request.session.items):
         yield
         return
     url = request.getfixturevalue("nats_server").url
     model = request.getfixturevalue("tiny_model")
-    for flags in (DOOMED_CORE, DOOMED_JETSTREAM):
-        await EARLY_WORKERS.start(url, model, *flags)
+    EARLY_WORKERS.start(url, model, DOOMED_CORE)
     yield
     await EARLY_WORKERS.stop()
 

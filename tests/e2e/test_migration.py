@@ -39,6 +39,7 @@ from tests.helpers import (
     check_continued,
     engine_processes,
     process_text,
+    processes_of,
     run_in_slices,
     serving,
     signal_each,
@@ -149,8 +150,8 @@ async def _doomed_worker(
 ) -> AsyncIterator[_Doomed]:
     """The CLI worker of `flags` (tests.helpers.DOOMED_*): the one started early for this test
     (tests/conftest.py), else one started now."""
-    started = EARLY_WORKERS.take(flags) or await Started.start(nats_url, model, *flags)
-    processes = int(flags[flags.index("--worker-processes") + 1])
+    started = await EARLY_WORKERS.take(flags) or await Started.start(nats_url, model, *flags)
+    processes = processes_of(flags)
     doomed = None
     try:
         clients = [await nats.connect(nats_url) for _ in range(CLIENTS)]

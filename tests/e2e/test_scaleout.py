@@ -222,8 +222,9 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         long = make_request("mp-long", PROMPT, max_tokens=200)
         frames = await sigterm_mid_stream(proc, generate(client, long, subject=subjects.generate))
         # The watcher ends when it sees draining or the port closes at the exit; on a loaded
-        # host the exit (the engine core shut down after the processes) took over 30 s once.
-        await asyncio.wait_for(watcher, 120)
+        # host the exit (the engine core shut down after the processes) took over 30 s once,
+        # and over 120 s in CI run 28 (the niced worker beside every job's engines).
+        await asyncio.wait_for(watcher, 240)
         assert frames[-1].finish_reason == "length"
         assert sum(len(f.token_ids) for f in frames) == 200
         assert seen_draining and seen_draining[0]["draining"] is True
