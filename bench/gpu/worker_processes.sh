@@ -24,6 +24,7 @@
 #   ROUTERS="kv queue" (SIDE=stack): one frontend per router mode in turn on the same worker
 #   NATS=1 (SIDE=stack): then, the frontend stopped, the same worker loaded over NATS as n<N>,
 #   so one engine start measures both
+#   CONCURRENCY=32 TAG=-c32: another number of streams than 256
 #   ROUND=r1: appended to the side's label (side_serve4-r1.json, …), for alternating rounds that
 #   `python -m bench.worker_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
@@ -61,7 +62,7 @@ wait_for() {  # wait_for <log> <pattern> <count> <pid>
 load() {  # load <label> [worker_processes args]: one bench run, its JSON kept, its table printed
   local label=$1; shift
   timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.worker_processes --label "$label" \
-    --repeats "$REPEATS" "$@" > "$OUT/side-$label.txt" 2>&1
+    --repeats "$REPEATS" ${CONCURRENCY:+--concurrency "$CONCURRENCY"} "$@" > "$OUT/side-$label.txt" 2>&1
   echo "bench exit $?"
   cp "bench/out/side_$label.json" "$OUT/" 2>/dev/null
   tail -4 "$OUT/side-$label.txt"
@@ -101,7 +102,7 @@ case "$SIDE" in
     cp "bench/out/side_$label.json" "$OUT/" 2>/dev/null
     ;;
   serve)
-    label=serve$API$ROUND
+    label=serve$API$TAG$ROUND
     # No access log line per request, as the frontend runs (--log-level warning).
     vllm serve "$MODEL" "${ENGINE[@]}" --api-server-count "$API" --host 127.0.0.1 --port 8000 \
       --disable-uvicorn-access-log > "$OUT/$label.log" 2>&1 &
