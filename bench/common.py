@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +96,27 @@ def add_sweep_arguments(group: Any, name: str) -> None:
     group.add_argument("--repeats", type=int, default=5)
     group.add_argument("--requests-per-stream", type=int, default=8)
     group.add_argument("--name", default=name, help="JSON file name under bench/out")
+
+
+def two_sides(
+    sides: tuple[str, str], repeats: int, measure: Callable[[str], dict[str, float]]
+) -> tuple[dict[str, list[dict[str, float]]], dict[str, float], dict[str, float]]:
+    """`repeats` runs of both sides, alternating which goes first, each run `measure(side)` (a
+    dict of figures). Returns every run's figures per side, each figure's median per side
+    (keyed `<side>:<figure>`), and the median of the per-repeat ratios sides[0] ÷ sides[1]."""
+    first, second = sides
+    per_side: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    ratios: dict[str, list[float]] = {}
+    for repeat in range(repeats):
+        order = sides if repeat % 2 == 0 else sides[::-1]
+        got = {side: measure(side) for side in order}
+        for side in sides:
+            per_side[side].append(got[side])
+        for key in got[first]:
+            ratios.setdefault(key, []).append(got[first][key] / got[second][key])
+    medians = {
+        f"{side}:{key}": statistics.median(run[key] for run in per_side[side])
+        for side in sides
+        for key in per_side[side][0]
+    }
+    return per_side, medians, {key: statistics.median(values) for key, values in ratios.items()}

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
-from bench.common import percentile, table, write_json
+from bench.common import percentile, table, two_sides, write_json
 from bench.structured_outputs import ROOT, start_stack, stop
 from bench.vllm_server import VllmOpenAIServer
 
@@ -115,23 +114,13 @@ def main() -> None:
         warm = argparse.Namespace(**{**vars(args), "requests_per_stream": 1})
         for side in SIDES:
             run_load(warm, urls[side], str(model))
-        ratios: dict[str, list[float]] = {"inputs_per_s": [], "latency_p50_s": []}
-        per_side: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
-        for repeat in range(args.repeats):
-            order = SIDES if repeat % 2 == 0 else SIDES[::-1]
-            got = {side: summary(run_load(args, urls[side], str(model))) for side in order}
-            for side in SIDES:
-                per_side[side].append(got[side])
-            for key in ratios:
-                ratios[key].append(got["stack"][key] / got["vllm serve"][key])
+        per_side, m, ratio = two_sides(
+            SIDES, args.repeats, lambda side: summary(run_load(args, urls[side], str(model)))
+        )
         row = [
             args.concurrency, args.batch,
-            statistics.median(s["inputs_per_s"] for s in per_side["stack"]),
-            statistics.median(s["inputs_per_s"] for s in per_side["vllm serve"]),
-            statistics.median(ratios["inputs_per_s"]),
-            statistics.median(s["latency_p50_s"] for s in per_side["stack"]),
-            statistics.median(s["latency_p50_s"] for s in per_side["vllm serve"]),
-            statistics.median(ratios["latency_p50_s"]),
+            m["stack:inputs_per_s"], m["vllm serve:inputs_per_s"], ratio["inputs_per_s"],
+            m["stack:latency_p50_s"], m["vllm serve:latency_p50_s"], ratio["latency_p50_s"],
         ]  # fmt: skip
         headers = ["streams", "inputs/request", "stack inputs/s", "vLLM inputs/s",
                    "inputs/s ratio", "stack p50 s", "vLLM p50 s", "p50 ratio"]  # fmt: skip

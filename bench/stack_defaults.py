@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
-from bench.common import percentile, table, write_json
+from bench.common import percentile, table, two_sides, write_json
 from bench.structured_outputs import ROOT, start_stack, stop
 from bench.vllm_server import VllmOpenAIServer
 
@@ -126,24 +125,15 @@ def main() -> None:
             run_load(warm, urls[side], str(model), "5")
         rows, raw = [], {}
         for level in args.logprobs.split(","):
-            ratios: dict[str, list[float]] = {"tokens_per_s": [], "ttft_p50_s": []}
-            per_side: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
-            for repeat in range(args.repeats):
-                order = SIDES if repeat % 2 == 0 else SIDES[::-1]
-                got = {side: run_load(args, urls[side], str(model), level) for side in order}
-                for side in SIDES:
-                    per_side[side].append(got[side])
-                for key in ratios:
-                    ratios[key].append(got["stack"][key] / got["vllm serve"][key])
-            raw[level] = per_side
+
+            def measure(side: str, level: str = level) -> dict[str, float]:
+                return run_load(args, urls[side], str(model), level)
+
+            raw[level], m, ratio = two_sides(SIDES, args.repeats, measure)
             rows.append([
                 level, args.concurrency,
-                statistics.median(s["tokens_per_s"] for s in per_side["stack"]),
-                statistics.median(s["tokens_per_s"] for s in per_side["vllm serve"]),
-                statistics.median(ratios["tokens_per_s"]),
-                statistics.median(s["ttft_p50_s"] for s in per_side["stack"]),
-                statistics.median(s["ttft_p50_s"] for s in per_side["vllm serve"]),
-                statistics.median(ratios["ttft_p50_s"]),
+                m["stack:tokens_per_s"], m["vllm serve:tokens_per_s"], ratio["tokens_per_s"],
+                m["stack:ttft_p50_s"], m["vllm serve:ttft_p50_s"], ratio["ttft_p50_s"],
             ])  # fmt: skip
         headers = ["logprobs", "streams", "stack tok/s", "vLLM tok/s", "tok/s ratio",
                    "stack TTFT p50 s", "vLLM TTFT p50 s", "TTFT ratio"]  # fmt: skip

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import percentile, table, write_json
+from bench.common import percentile, table, two_sides, write_json
 from bench.vllm_server import VllmOpenAIServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,26 +207,15 @@ def main() -> None:
             for side in SIDES:  # warm-up: compile each constraint once per side
                 run_load(argparse.Namespace(**{**vars(args), "requests_per_stream": 1}),
                          urls[side], str(model), kind)  # fmt: skip
-            ratios: dict[str, list[float]] = {"tokens_per_s": [], "ttft_p50_s": []}
-            per_side: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
-            for repeat in range(args.repeats):
-                order = SIDES if repeat % 2 == 0 else SIDES[::-1]
-                got = {
-                    side: summary(run_load(args, urls[side], str(model), kind)) for side in order
-                }
-                for side in SIDES:
-                    per_side[side].append(got[side])
-                for key in ratios:
-                    ratios[key].append(got["stack"][key] / got["vllm serve"][key])
-            raw[kind] = per_side
+
+            def measure(side: str, kind: str = kind) -> dict[str, float]:
+                return summary(run_load(args, urls[side], str(model), kind))
+
+            raw[kind], m, ratio = two_sides(SIDES, args.repeats, measure)
             rows.append([
                 kind, args.concurrency,
-                statistics.median(s["tokens_per_s"] for s in per_side["stack"]),
-                statistics.median(s["tokens_per_s"] for s in per_side["vllm serve"]),
-                statistics.median(ratios["tokens_per_s"]),
-                statistics.median(s["ttft_p50_s"] for s in per_side["stack"]),
-                statistics.median(s["ttft_p50_s"] for s in per_side["vllm serve"]),
-                statistics.median(ratios["ttft_p50_s"]),
+                m["stack:tokens_per_s"], m["vllm serve:tokens_per_s"], ratio["tokens_per_s"],
+                m["stack:ttft_p50_s"], m["vllm serve:ttft_p50_s"], ratio["ttft_p50_s"],
             ])  # fmt: skip
         headers = ["kind", "streams", "stack tok/s", "vLLM tok/s", "tok/s ratio",
                    "stack TTFT p50 s", "vLLM TTFT p50 s", "TTFT ratio"]  # fmt: skip
