@@ -5,8 +5,10 @@ tests/e2e/test_cli_worker.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import nats
 import pytest
 
 from messages.control import ControlRequest
@@ -64,3 +66,46 @@ async def test_the_fleet_reaches_jetstream_workers_and_reports_a_silent_one(
     )
     assert silent.error is not None and silent.error.code == "worker_lost"
     assert silent.error.message.startswith("no answer within 0.5 s")
+
+
+async def test_a_frontend_without_model_learns_models_and_health_from_discovery(
+    nats_server, fake_worker
+) -> None:
+    """A frontend started without `--model` (no tokenizer): /health is 503 until some worker
+    answers discovery, then 200 without waiting out the window; /v1/models lists what the
+    workers serve (here a fake embedding worker), and a model whose last worker left is a 404."""
+    import time
+
+    import httpx
+
+    from tests.helpers import serving
+    from worker.dev.fakes import fake_embedding_engine
+    from worker.frontend.app import FrontendSettings, create_app
+
+    nc = await nats.connect(nats_server.url)
+    settings = FrontendSettings(health_timeout_s=0.5, discovery_refresh_s=0.2)
+    app = create_app(settings, None, nc=nc)
+    try:
+        async with serving(app) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+            # The session's server may hold other tests' workers: only ours is looked for.
+            embed = Subjects("healthless", "vllm", "embed")
+            worker = await fake_worker(embed, fake_embedding_engine())
+            started = time.monotonic()
+            health = await http.get("/health")
+            assert health.status_code == 200, health.text
+            assert time.monotonic() - started < 0.45  # the first answer, not the whole window
+            cards: dict = {}
+            deadline = time.monotonic() + 5  # learnt within a refresh (0.2 s + the window)
+            while "fake-embed" not in cards and time.monotonic() < deadline:
+                cards = {c["id"]: c for c in (await http.get("/v1/models")).json()["data"]}
+                await asyncio.sleep(0.1)
+            assert cards["fake-embed"]["max_model_len"] == 512
+            await worker.stop()
+            await asyncio.sleep(0.6)  # the catalog's next rounds
+            listed = {c["id"] for c in (await http.get("/v1/models")).json()["data"]}
+            assert "fake-embed" not in listed
+            gone = await http.post("/v1/embeddings", json={"model": "fake-embed", "input": [1]})
+            assert gone.status_code == 404
+            assert gone.json()["error"]["message"] == "The model `fake-embed` does not exist."
+    finally:
+        await nc.close()

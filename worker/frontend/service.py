@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -25,6 +26,7 @@ from messages.control import ControlReply, ControlRequest
 from messages.embeddings import EmbedRequest
 from messages.frames import ResponseFrame
 from messages.request import GenerateRequest, GuidedDecoding
+from messages.subjects import SERVICE_NAME
 from worker.client import (
     Embeddings,
     KvRouter,
@@ -37,6 +39,7 @@ from worker.client import (
     jetstream_stream,
     subjects_of,
 )
+from worker.client.library import discovery_answers
 from worker.frontend import sse
 from worker.frontend.answers import Answer
 from worker.frontend.catalog import ModelCatalog, ServedModel, Target
@@ -172,9 +175,13 @@ class FrontendService:
         timeout = settings.health_timeout_s
         configured = self.catalog.configured
         if configured is None:
-            if not await fleet.everyone(nc, window=timeout):
-                return f"no worker answered discovery within {timeout} s"
-            return None
+            # The first answer is enough: /health does not wait out the whole window.
+            async with aclosing(
+                discovery_answers(nc, f"$SRV.PING.{SERVICE_NAME}", timeout)
+            ) as pongs:
+                async for _ in pongs:
+                    return None
+            return f"no worker answered discovery within {timeout} s"
         if (
             await find_worker(
                 nc, configured.subject, window=timeout, jetstream=configured.jetstream
