@@ -6,6 +6,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -120,3 +122,17 @@ def two_sides(
         for key in per_side[side][0]
     }
     return per_side, medians, {key: statistics.median(values) for key, values in ratios.items()}
+
+
+def load_process(module: str, *args: str) -> dict[str, Any]:
+    """`python -m <module> <args>` (a benchmark's own load generator, a process of its own) run
+    to its end from the project's root; its last stdout line, as JSON. SystemExit with its
+    stderr when it fails."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=root
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{module} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result

@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from typing import Any
 
-from bench.common import percentile, table, two_sides, write_json
-from bench.structured_outputs import ROOT, start_stack, stop
-from bench.vllm_server import VllmOpenAIServer
+from bench.common import load_process, percentile, table, two_sides, write_json
+from bench.structured_outputs import beside_vllm
 
 SIDES = ("stack", "vllm serve")
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
@@ -68,14 +65,11 @@ async def load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_load(args: argparse.Namespace, url: str, model: str) -> dict[str, Any]:
-    command = [
-        sys.executable, "-m", "bench.embeddings", "--load", url, "--model", model,
+    return load_process(
+        "bench.embeddings", "--load", url, "--model", model,
         "--concurrency", str(args.concurrency),
         "--requests-per-stream", str(args.requests_per_stream), "--batch", str(args.batch),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    )  # fmt: skip
 
 
 def summary(result: dict[str, Any]) -> dict[str, float]:
@@ -97,20 +91,13 @@ def main() -> None:
     if args.load:
         print(json.dumps(asyncio.run(load(args))), flush=True)
         return
-    from bench.common import OUT_DIR
     from worker.dev.tiny_model import ensure_tiny_embedding_model
 
     model = ensure_tiny_embedding_model()
     engine_argv = ["--model", str(model), "--dtype", "float32", "--max-model-len", "512",
                    "--enforce-eager", "--seed", "0", "--runner", "pooling",
                    "--convert", "embed"]  # fmt: skip
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    peer = VllmOpenAIServer(engine_argv).launch()
-    stack: list[Any] = []
-    try:
-        stack, stack_url = start_stack(None, engine_argv, OUT_DIR, name="embed")
-        peer.wait_ready()
-        urls = {"stack": stack_url, "vllm serve": peer.base_url}
+    with beside_vllm(None, engine_argv, "embed") as urls:
         warm = argparse.Namespace(**{**vars(args), "requests_per_stream": 1})
         for side in SIDES:
             run_load(warm, urls[side], str(model))
@@ -126,9 +113,6 @@ def main() -> None:
                    "inputs/s ratio", "stack p50 s", "vLLM p50 s", "p50 ratio"]  # fmt: skip
         print(table(headers, [row]))
         write_json("embeddings", {"args": vars(args), "rows": [row], "raw": per_side})
-    finally:
-        stop(stack)
-        peer.stop()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from bench.common import table, write_json
+from bench.common import load_process, table, write_json
 from bench.structured_outputs import ROOT, stop
 
 SIDES = ("base", "tiny-lora")
@@ -58,14 +58,12 @@ async def load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_load(args: argparse.Namespace, url: str, adapter: str) -> float:
-    command = [
-        sys.executable, "-m", "bench.lora_throughput", "--load", url, "--adapter", adapter,
+    result = load_process(
+        "bench.lora_throughput", "--load", url, "--adapter", adapter,
         "--concurrency", str(args.concurrency),
         "--requests-per-stream", str(args.requests_per_stream),
         "--max-tokens", str(args.max_tokens),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    )  # fmt: skip
     return float(result["tokens"] / result["wall_s"])
 
 

@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from typing import Any
 
-from bench.common import percentile, table, two_sides, write_json
-from bench.structured_outputs import ROOT, start_stack, stop
-from bench.vllm_server import VllmOpenAIServer
+from bench.common import load_process, percentile, table, two_sides, write_json
+from bench.structured_outputs import beside_vllm
 
 SIDES = ("stack", "vllm serve")
 
@@ -77,16 +74,12 @@ async def load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_load(args: argparse.Namespace, url: str, model: str, level: str) -> dict[str, float]:
-    command = [
-        sys.executable, "-m", "bench.stack_defaults", "--load", url, "--model", model,
+    result = load_process(
+        "bench.stack_defaults", "--load", url, "--model", model,
         "--level", level, "--concurrency", str(args.concurrency),
         "--requests-per-stream", str(args.requests_per_stream),
         "--max-tokens", str(args.max_tokens),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"load on {url} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    )  # fmt: skip
     return {
         "tokens_per_s": result["tokens"] / result["wall_s"],
         "ttft_p50_s": percentile(result["ttft_s"], 50),
@@ -107,19 +100,12 @@ def main() -> None:
     if args.load:
         print(json.dumps(asyncio.run(load(args))), flush=True)
         return
-    from bench.common import OUT_DIR
     from worker.dev.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model()
     engine_argv = ["--model", str(model), "--dtype", "float32", "--max-model-len", "512",
                    "--enforce-eager", "--seed", "0", "--max-logprobs", "20"]  # fmt: skip
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    peer = VllmOpenAIServer(engine_argv).launch()
-    stack: list[Any] = []
-    try:
-        stack, stack_url = start_stack(model, engine_argv, OUT_DIR, name="defaults")
-        peer.wait_ready()
-        urls = {"stack": stack_url, "vllm serve": peer.base_url}
+    with beside_vllm(model, engine_argv, "defaults") as urls:
         warm = argparse.Namespace(**{**vars(args), "requests_per_stream": 1})
         for side in SIDES:
             run_load(warm, urls[side], str(model), "5")
@@ -139,9 +125,6 @@ def main() -> None:
                    "stack TTFT p50 s", "vLLM TTFT p50 s", "TTFT ratio"]  # fmt: skip
         print(table(headers, rows))
         write_json("stack_defaults", {"args": vars(args), "rows": rows, "raw": raw})
-    finally:
-        stop(stack)
-        peer.stop()
 
 
 if __name__ == "__main__":

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import percentile, table, two_sides, write_json
+from bench.common import load_process, percentile, table, two_sides, write_json
 from bench.vllm_server import VllmOpenAIServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,15 +102,12 @@ async def load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_load(args: argparse.Namespace, url: str, model: str, kind: str) -> dict[str, Any]:
-    command = [
-        sys.executable, "-m", "bench.structured_outputs", "--load", url, "--model", model,
+    return load_process(
+        "bench.structured_outputs", "--load", url, "--model", model,
         "--kind", kind, "--concurrency", str(args.concurrency),
         "--requests-per-stream", str(args.requests_per_stream),
         "--max-tokens", str(args.max_tokens),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    )  # fmt: skip
 
 
 def wait_http(url: str, process: subprocess.Popen[bytes], log: Path, within: float = 600) -> None:
@@ -155,6 +154,24 @@ def start_stack(
     return [frontend, worker, nats_server], base + "/v1"
 
 
+@contextlib.contextmanager
+def beside_vllm(model: Path | None, engine_argv: list[str], name: str) -> Iterator[dict[str, str]]:
+    """The stack (`start_stack`) and vLLM's own server on the same engine args, both ready:
+    their `/v1` URLs by side ("stack", "vllm serve"); both stopped after."""
+    from bench.common import OUT_DIR
+
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    peer = VllmOpenAIServer(engine_argv).launch()
+    stack: list[Any] = []
+    try:
+        stack, stack_url = start_stack(model, engine_argv, OUT_DIR, name)
+        peer.wait_ready()
+        yield {"stack": stack_url, "vllm serve": peer.base_url}
+    finally:
+        stop(stack)
+        peer.stop()
+
+
 def stop(things: list[Any]) -> None:
     for thing in things:
         if isinstance(thing, subprocess.Popen):
@@ -189,19 +206,12 @@ def main() -> None:
     if args.load:
         print(json.dumps(asyncio.run(load(args))), flush=True)
         return
-    from bench.common import OUT_DIR
     from worker.dev.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model()
     engine_argv = ["--model", str(model), "--dtype", "float32", "--max-model-len", "512",
                    "--enforce-eager", "--seed", "0"]  # fmt: skip
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    peer = VllmOpenAIServer(engine_argv).launch()
-    stack: list[Any] = []
-    try:
-        stack, stack_url = start_stack(model, engine_argv, OUT_DIR)
-        peer.wait_ready()
-        urls = {"stack": stack_url, "vllm serve": peer.base_url}
+    with beside_vllm(model, engine_argv, "so") as urls:
         rows, raw = [], {}
         for kind in args.kinds.split(","):
             for side in SIDES:  # warm-up: compile each constraint once per side
@@ -221,9 +231,6 @@ def main() -> None:
                    "stack TTFT p50 s", "vLLM TTFT p50 s", "TTFT ratio"]  # fmt: skip
         print(table(headers, rows))
         write_json("structured_outputs", {"args": vars(args), "rows": rows, "raw": raw})
-    finally:
-        stop(stack)
-        peer.stop()
 
 
 if __name__ == "__main__":

@@ -238,34 +238,16 @@ def processes_of(flags: tuple[str, ...]) -> int:
 
 
 class EarlyWorkers:
-    """CLI workers started at the session's first test for tests that come last (the SIGKILL
-    migration tests, .ci/run's integration job): their engines' start (one to three minutes
-    each on a busy CI host) overlaps the integration layer, which mostly waits, instead of
-    adding to it. One at a time (each after the one before is ready), so they do not all load
-    the host at once. A test takes its worker by the exact flags it would start it with."""
+    """CLI workers started at the session's first test for tests that come last (the core
+    SIGKILL migration test, .ci/run's integration job): an engine's start (a minute or more on
+    a busy CI host) overlaps the integration layer, which mostly waits, instead of adding to it.
+    A test takes its worker by the exact flags it would start it with."""
 
     def __init__(self) -> None:
         self._started: dict[tuple[str, ...], asyncio.Task[Started]] = {}
 
-    def start(self, nats_url: str, model: Path, *each: tuple[str, ...]) -> None:
-        before: tuple[tuple[str, ...], asyncio.Task[Started]] | None = None
-        for flags in each:
-            task = asyncio.create_task(self._after(before, nats_url, model, flags))
-            self._started[flags] = task
-            before = (flags, task)
-
-    @staticmethod
-    async def _after(
-        before: tuple[tuple[str, ...], asyncio.Task[Started]] | None,
-        nats_url: str,
-        model: Path,
-        flags: tuple[str, ...],
-    ) -> Started:
-        if before is not None:
-            before_flags, task = before
-            with contextlib.suppress(Exception):  # its own test reports why it did not start
-                await (await task).metrics_port(processes_of(before_flags))
-        return await Started.start(nats_url, model, *flags)
+    def start(self, nats_url: str, model: Path, flags: tuple[str, ...]) -> None:
+        self._started[flags] = asyncio.create_task(Started.start(nats_url, model, *flags))
 
     async def take(self, flags: tuple[str, ...]) -> Started | None:
         task = self._started.pop(flags, None)
@@ -274,7 +256,6 @@ class EarlyWorkers:
     async def stop(self) -> None:
         """Kills what no test took (a run that failed or stopped early)."""
         for task in self._started.values():
-            task.cancel()
             with contextlib.suppress(BaseException):
                 await (await task).kill()
         self._started.clear()

@@ -119,6 +119,11 @@ class ModelCatalog:
     def _of(self, subject: str) -> list[fleet.Member]:
         return [m for m in self.members if m.subject == subject]
 
+    def _discovered(self) -> list[fleet.Member]:
+        """The workers of models other than the configured one."""
+        configured = self.configured
+        return [m for m in self.members if configured is None or m.subject != configured.subject]
+
     def adapters(self, subject: str) -> dict[str, str]:
         """The adapters some worker of `subject` holds: name → path."""
         return {name: path for m in self._of(subject) for name, path in m.adapters.items()}
@@ -136,13 +141,11 @@ class ModelCatalog:
             length = self.max_model_len(configured.subject)
             models += [Card(n, configured.root, None, length) for n in configured.names]
             subjects.append((configured.subject, configured.names[0]))
-        for member in self.members:
-            if configured is not None and member.subject == configured.subject:
-                continue
+        for member in self._discovered():
             if any(card.name == member.model for card in models):
                 continue
-            models.append(Card(member.model, member.tokenizer or member.model, None,
-                               member.max_model_len))  # fmt: skip
+            root = member.tokenizer or member.model
+            models.append(Card(member.model, root, None, member.max_model_len))
             subjects.append((member.subject, member.model))
         for subject, parent in subjects:
             for name, path in sorted(self.adapters(subject).items()):
@@ -176,7 +179,7 @@ class ModelCatalog:
             return configured, configured.names[0], None
         if configured is not None and name in configured.names:
             return configured, name, None
-        members = [m for m in self.members if configured is None or m.subject != configured.subject]
+        members = self._discovered()
         if name is None:
             models = sorted(m.model for m in members if m.kind == kind)
             if not models:
