@@ -21,7 +21,6 @@ from messages.errors import ErrorCode
 from worker.engine.contract import Embedder, EngineDead
 from worker.errors import WorkerError, describe
 from worker.framing import FrameWriter, Undeliverable
-from worker.metrics import WorkerMetrics
 from worker.session import Outcome, fail
 from worker.shared.log_text import loggable
 
@@ -35,7 +34,6 @@ class EmbedSession:
         embedder: Embedder,
         writer: FrameWriter,
         engine_request_id: str,
-        metrics: WorkerMetrics | None = None,
         final_attempt: bool = True,
         *,
         arrived: float | None = None,
@@ -44,7 +42,6 @@ class EmbedSession:
         self.embedder = embedder
         self.writer = writer
         self.engine_request_id = engine_request_id
-        self.metrics = metrics
         self.final_attempt = final_attempt
         self.outcome = Outcome(request.request_id, [None])
         if arrived is not None:

@@ -265,13 +265,7 @@ class RequestService:
             )
         assert self.engine.embedder is not None  # an engine of kind "embed" has one
         return EmbedSession(
-            request,
-            self.engine.embedder,
-            writer,
-            engine_request_id,
-            self.metrics,
-            final_attempt,
-            arrived=arrived,
+            request, self.engine.embedder, writer, engine_request_id, final_attempt, arrived=arrived
         )
 
     def _done(self, task: asyncio.Task[Outcome]) -> None:
