@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,17 @@ def load_process(module: str, *args: str) -> dict[str, Any]:
         raise SystemExit(f"{module} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus endpoint's samples summed per name over their labels (a histogram's `le`
+    buckets left out: its `_sum` and `_count` remain)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "le" not in sample.labels:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums

@@ -32,11 +32,11 @@ import random
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench.common import machine, median, offline, percentile, table, write_json
+from bench.common import scrape as common_scrape
 from worker.client.requests import make_request
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,16 +161,7 @@ async def one_run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def scrape(port: int) -> dict[str, float]:
-    """Sums of every sample of each metric name (labels dropped)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if "le" not in sample.labels:
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-    return sums
+    return common_scrape(f"http://127.0.0.1:{port}/metrics")
 
 
 HITS = "vllm:prefix_cache_hits_total"

@@ -9,7 +9,7 @@ worker with N processes and the OpenAI stack, one at a time, and `--compare` pri
 
     python -m bench.worker_processes --nats-url URL --label n2 [--concurrency 256]
         [--logprobs off,5,20] [--max-tokens 128] [--requests-per-stream 2] [--repeats 3]
-        [--vocab 32000]
+        [--vocab 32000] [--metrics-url http://127.0.0.1:9090/metrics]
     python -m bench.worker_processes --label serve4 --openai-url http://127.0.0.1:8000/v1 --model M
     python -m bench.worker_processes --compare serve4,n1,n2,n4 --to ceiling,serve4
     python -m bench.worker_processes --compare stack44,n4 --to serve4 --rounds r1,r2,r3
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import nats
 
+from bench import first_token
 from bench.common import OUT_DIR, median, table, write_json
 from bench.load_process import LoadProcess
 from worker.client import wait_for_worker
@@ -45,9 +46,11 @@ async def measure(args: argparse.Namespace) -> None:
         raise SystemExit(f"no worker answers on {args.nats_url}")
     load = LoadProcess(client, args.nats_url, args.subject, openai).start()
     results = []
+    waits: dict[str, list[float]] = {}
     for level in args.logprobs.split(","):
         logprobs = None if level == "off" else int(level)
         runs = []
+        before = first_token.snapshot(args.metrics_url) if args.metrics_url else None
         for _ in range(args.repeats):
             result, _ = await load.run(
                 prompt_count=256,
@@ -60,6 +63,10 @@ async def measure(args: argparse.Namespace) -> None:
             )
             runs.append(result)
         rates = [r.tokens_per_s for r in runs]
+        if before is not None:
+            histograms = first_token.means(before, first_token.snapshot(args.metrics_url))
+            ttfts = [t for r in runs for t in r.ttft_s]
+            waits[level] = first_token.stretches(ttfts, histograms)
         results.append(
             {
                 "logprobs": level,
@@ -77,7 +84,11 @@ async def measure(args: argparse.Namespace) -> None:
         )
     await load.stop()
     await client.close()
-    write_json(side_name(args.label), {"settings": vars(args), "results": results})
+    if waits:
+        print(first_token.render(waits), flush=True)
+    write_json(
+        side_name(args.label), {"settings": vars(args), "results": results, "first_token": waits}
+    )
 
 
 def compare(labels: list[str], baselines: list[str]) -> None:
@@ -173,6 +184,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--openai-url", help="load this OpenAI server (vllm serve) instead")
     parser.add_argument("--model", help="with --openai-url: the model name it serves")
+    parser.add_argument(
+        "--metrics-url",
+        help="the worker's /metrics (--metrics-port): also print where the first token waits "
+        "(bench.first_token)",
+    )
     parser.add_argument("--compare", help="comma-separated labels to print with their ratios")
     parser.add_argument(
         "--to", help="comma-separated baseline labels for --compare (default: the first label)"

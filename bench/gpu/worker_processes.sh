@@ -44,6 +44,10 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
         --kv-cache-memory-bytes 16000000000 --seed 0)
 MODEL=/tmp/llama-1b
+# The worker's Prometheus endpoint, read before and after each setting's runs: the load's table
+# then says where the first token waits (bench.first_token).
+METRICS=(--metrics-port 9090 --metrics-host 127.0.0.1)
+WAITS=(--metrics-url http://127.0.0.1:9090/metrics)
 pkill -f "^python3 -m worker" ; pkill -f "vllm serve"; sleep 2
 pkill nats-server; nats-server -a 127.0.0.1 -p 4222 > "$OUT/nats.log" 2>&1 &
 sleep 1
@@ -66,6 +70,7 @@ load() {  # load <label> [worker_processes args]: one bench run, its JSON kept, 
   echo "bench exit $?"
   cp "bench/out/side_$label.json" "$OUT/" 2>/dev/null
   tail -4 "$OUT/side-$label.txt"
+  grep -A9 "where the first token waits" "$OUT/side-$label.txt"
 }
 
 profiled() {  # profiled <label> <pid>... -- [worker_processes args]: py-spy on each pid, 25 s at
@@ -120,7 +125,7 @@ case "$SIDE" in
   worker)
     label=n$N$TAG$ROUND
     python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
-      "${ENGINE[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
+      "${ENGINE[@]}" "${METRICS[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
     [ "${PROFILE:-0}" = 1 ] && profiled "$label" "$(child $worker)" -- 20
@@ -130,7 +135,7 @@ case "$SIDE" in
       SPY=(--nonblocking)
       profiled "$label-core" "$(core)" -- "${PROFILE_LOGPROBS:-off}"
     fi
-    load "$label"
+    load "$label" "${WAITS[@]}"
     python3 -m bench.worker_stats
     kill -TERM $worker; wait $worker; echo "worker exit $?"
     grep -E "Error|error" "$OUT/worker-$label.log" | head -5
@@ -140,7 +145,7 @@ case "$SIDE" in
     worker_flags=(--worker-processes "$N"); [ "$N" = auto ] && worker_flags=()
     frontend_flags=(--processes "$P"); [ "$P" = auto ] && frontend_flags=()
     python3 -m worker --nats-url nats://127.0.0.1:4222 "${worker_flags[@]}" --model "$MODEL" \
-      "${ENGINE[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
+      "${ENGINE[@]}" "${METRICS[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     count=$N
     if [ "$N" = auto ]; then
@@ -171,14 +176,14 @@ case "$SIDE" in
       # profile-<label>-0.txt: one frontend process (of P, reached through SO_REUSEPORT like
       # the others); -1: the worker's process 0.
       [ "${PROFILE:-0}" = 1 ] && profiled "$flabel" "$(child $frontend)" "$(child $worker)" -- off "${openai[@]}"
-      load "$flabel" "${openai[@]}"
+      load "$flabel" "${openai[@]}" "${WAITS[@]}"
       python3 -m bench.worker_stats
       # The router's picture (one frontend process's, the one that answers): routed-<label>.txt
       curl -s http://127.0.0.1:8000/metrics | grep -E "^nats_frontend_rout" > "$OUT/routed-$flabel.txt"
       kill -TERM $frontend; wait $frontend; echo "frontend exit $?"
     done
     if [ "${NATS:-0}" = 1 ]; then
-      load "n$N$TAG$ROUND"
+      load "n$N$TAG$ROUND" "${WAITS[@]}"
       python3 -m bench.worker_stats
     fi
     kill -TERM $worker; wait $worker; echo "worker exit $?"

@@ -5,6 +5,7 @@ set beside the others in those rounds alone; no vllm, no nats-server."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,39 @@ def test_rounds_pair_each_side_with_its_baseline_in_the_rounds_it_ran(
     assert table[("n8", "off")] == ["75", "1.50–1.50 (1.50)", "100", "0.50–0.50 (0.50)"]
     # The ceiling ran once; it is read for every round and has no TTFT.
     assert table[("ceiling", "off")] == ["100", "1.25–2.50 (2.00, 1.25, 2.50)", "–", "–"]
+
+
+def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms() -> None:
+    """bench.first_token: the means of two snapshots' histogram deltas, and the caller's mean
+    TTFT cut into the five stretches, which add up to it."""
+    from bench import first_token
+
+    names = first_token.HISTOGRAMS
+    before = {f"{name}{part}": 1.0 for name in names for part in ("_sum", "_count")}
+    # 4 observations each: worker 0.4 s, vLLM 0.3 s, queue 0.05 s, prefill 0.1 s on average.
+    added = {
+        first_token.WORKER_TTFT: 1.6,
+        first_token.VLLM_TTFT: 1.2,
+        first_token.QUEUE: 0.2,
+        first_token.PREFILL: 0.4,
+    }
+    after = {
+        **{f"{name}_sum": 1.0 + added[name] for name in names},
+        **{f"{name}_count": 5.0 for name in names},
+    }
+    means = first_token.means(before, after)
+    assert means == pytest.approx(
+        {
+            first_token.WORKER_TTFT: 0.4,
+            first_token.VLLM_TTFT: 0.3,
+            first_token.QUEUE: 0.05,
+            first_token.PREFILL: 0.1,
+        }
+    )
+    cut = first_token.stretches([0.5, 0.7], means)
+    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.1, 0.2])
+    assert sum(cut) == pytest.approx(0.6)
+    printed = first_token.render({"off": cut})
+    assert "NATS and the caller (intake, frame delivery, frontend) | 200 ms (33%)" in printed
+    assert "mean TTFT | 600 ms" in printed
+    assert math.isnan(first_token.means(before, before)[first_token.QUEUE]), "none observed"
