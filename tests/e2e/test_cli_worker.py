@@ -520,10 +520,10 @@ async def test_engine_death_answers_in_flight_and_exits_non_zero(
     # the worker, when the engine dies, however fast the tiny model and however slow the host
     # (running the worker in slices until a first frame, a starved test overran a slice and
     # the request ended first). The engine dies whole (an OOM kill of its processes): its core
-    # and the core's executor worker, which would otherwise report its parent's death after the
-    # worker's last line.
+    # and whatever the core started (with V1 multiprocessing on, the CPU executor's worker, which
+    # would otherwise report its parent's death after the worker's last line).
     engine = engine_processes(proc.pid)
-    assert len(engine) >= 2, [process_text(p) for p in psutil.Process(proc.pid).children()]
+    assert engine, [process_text(p) for p in psutil.Process(proc.pid).children()]
     signal_each(engine, signal.SIGSTOP)
     reading = asyncio.create_task(in_flight())
     await until_in_flight(cli_worker.metrics_port, SERVED, 1)
