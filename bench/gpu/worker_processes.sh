@@ -25,6 +25,7 @@
 #   NATS=1 (SIDE=stack): then, the frontend stopped, the same worker loaded over NATS as n<N>,
 #   so one engine start measures both
 #   CONCURRENCY=32 TAG=-c32: another number of streams than 256
+#   CONCURRENCIES="256 32": each in turn on the same start, the 32-stream labels tagged -c32
 #   ROUND=r1: appended to the side's label (side_serve4-r1.json, …), for alternating rounds that
 #   `python -m bench.worker_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
@@ -63,14 +64,19 @@ wait_for() {  # wait_for <log> <pattern> <count> <pid>
   echo "$SIDE ready after $(( $(date +%s) - started )) s"
 }
 
-load() {  # load <label> [worker_processes args]: one bench run, its JSON kept, its table printed
-  local label=$1; shift
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.worker_processes --label "$label" \
-    --repeats "$REPEATS" ${CONCURRENCY:+--concurrency "$CONCURRENCY"} "$@" > "$OUT/side-$label.txt" 2>&1
-  echo "bench exit $?"
-  cp "bench/out/side_$label.json" "$OUT/" 2>/dev/null
-  tail -4 "$OUT/side-$label.txt"
-  grep -A9 "where the first token waits" "$OUT/side-$label.txt"
+load() {  # load <label> [worker_processes args]: one bench run per concurrency (CONCURRENCIES,
+  # default: CONCURRENCY or 256), its JSON kept, its table printed; a concurrency other than 256
+  # is tagged -c<C> before the round (stackautoauto-c32-r1)
+  local label=$1 c l; shift
+  for c in ${CONCURRENCIES:-${CONCURRENCY:-256}}; do
+    l=$label; [ "$c" != 256 ] && [ -z "${CONCURRENCY:-}" ] && l=${label%"$ROUND"}-c$c$ROUND
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.worker_processes --label "$l" \
+      --repeats "$REPEATS" --concurrency "$c" "$@" > "$OUT/side-$l.txt" 2>&1
+    echo "bench exit $?"
+    cp "bench/out/side_$l.json" "$OUT/" 2>/dev/null
+    tail -4 "$OUT/side-$l.txt"
+    grep -A9 "where the first token waits" "$OUT/side-$l.txt"
+  done
 }
 
 profiled() {  # profiled <label> <pid>... -- [worker_processes args]: py-spy on each pid, 25 s at

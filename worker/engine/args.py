@@ -156,6 +156,18 @@ def tiny_engine_args(model: Path, **overrides: object) -> Any:
     return AsyncEngineArgs(**settings)
 
 
+def usage_context() -> Any:
+    """The usage context every engine of the worker is configured under (one process or a shared
+    engine core): `vllm serve`'s, whose batch defaults by device (`max_num_seqs`,
+    `max_num_batched_tokens`: 1024 and 8192 on an H100) a vLLM user expects. AsyncLLM's own
+    default context has none, so an engine started under it falls back to 128 sequences and
+    2048 batched tokens on any GPU: at 256 streams half the requests waited a whole request
+    for a slot."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return UsageContext.OPENAI_API_SERVER
+
+
 def on_gpu() -> bool:
     """Whether vLLM runs on a GPU here (its detected platform: CUDA or ROCm)."""
     from vllm.platforms import current_platform

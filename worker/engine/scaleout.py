@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.config import ENGINE_EXIT_GRACE_S
+from worker.engine.args import usage_context
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,13 @@ def client_llm(
     engine_args: Any, client_config: dict[str, Any], stat_loggers: list[Any] | None = None
 ) -> Any:
     """An AsyncLLM client of the shared engine core, from a child's `client_config`."""
-    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     config = dict(client_config)
     count = config.pop("client_count", 1)
     index = config.pop("client_index", 0)
     vllm_config = client_engine_args(engine_args, client_config).create_engine_config(
-        UsageContext.OPENAI_API_SERVER
+        usage_context()
     )
     return AsyncLLM.from_vllm_config(
         vllm_config,
@@ -96,14 +96,13 @@ def run(
 ) -> int:
     """Runs the engine core and `processes` client processes until one dies (exit 1) or
     SIGTERM/SIGINT (exit 0 once every child has drained). Blocks."""
-    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.utils import launch_core_engines
     from vllm.v1.executor import Executor
     from vllm.v1.utils import APIServerProcessManager, wait_for_completion_or_failure
 
     engine_args._api_process_count = processes
     engine_args._api_process_rank = -1
-    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    vllm_config = engine_args.create_engine_config(usage_context=usage_context())
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:

@@ -32,6 +32,7 @@ from messages.request import GenerateRequest
 from worker.config import ENGINE_EXIT_GRACE_S
 from worker.engine import logprobs, reaper, scaleout, structured_outputs
 from worker.engine.admin import VllmAdmin
+from worker.engine.args import usage_context
 from worker.engine.contract import (
     ChoiceDelta,
     Embedder,
@@ -112,7 +113,9 @@ class VllmEngine:
         loggers = [scheduler.factory] if scheduler is not None else None
         if client_config is None:
             log.info("starting vLLM engine for model %s", engine_args.model)
-            llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
+            llm = AsyncLLM.from_engine_args(
+                engine_args, usage_context=usage_context(), stat_loggers=loggers
+            )
         else:
             log.info("client %s of a shared engine core", client_config.get("client_index"))
             llm = scaleout.client_llm(engine_args, client_config, stat_loggers=loggers)
@@ -139,7 +142,13 @@ class VllmEngine:
         names = frozenset([served] if isinstance(served, str) else served)
         engine = cls(llm, table, limits, scheduler, names | {limits.model})
         await engine._warm_up()
-        log.info("engine ready: %s", limits)
+        scheduling = llm.vllm_config.scheduler_config
+        log.info(
+            "engine ready: %s, max_num_seqs %s, max_num_batched_tokens %s",
+            limits,
+            scheduling.max_num_seqs,
+            scheduling.max_num_batched_tokens,
+        )
         return engine
 
     async def _warm_up(self) -> None:
