@@ -73,13 +73,26 @@ async def load(args: argparse.Namespace) -> dict[str, Any]:
     return {"wall_s": wall, "tokens": tokens, "ttft_s": ttfts}
 
 
-def run_load(args: argparse.Namespace, url: str, model: str, level: str) -> dict[str, float]:
-    result = load_process(
+def run_load(
+    args: argparse.Namespace, url: str, model: str, level: str, failures: list[str] | None = None
+) -> dict[str, float]:
+    """One run's figures. A run whose load process fails (a server that dropped a stream:
+    vLLM's own server did once, 2026-12-07) is run once more, and why goes to `failures`."""
+    argv = (
         "bench.stack_defaults", "--load", url, "--model", model,
         "--level", level, "--concurrency", str(args.concurrency),
         "--requests-per-stream", str(args.requests_per_stream),
         "--max-tokens", str(args.max_tokens),
     )  # fmt: skip
+    try:
+        result = load_process(*argv)
+    except SystemExit as failure:
+        if failures is None:
+            raise
+        why = str(failure).strip().splitlines()[-1]
+        failures.append(f"{url} logprobs {level}: {why}")
+        print(f"a run failed and runs again: {failures[-1]}", flush=True)
+        result = load_process(*argv)
     return {
         "tokens_per_s": result["tokens"] / result["wall_s"],
         "ttft_p50_s": percentile(result["ttft_s"], 50),
@@ -110,10 +123,11 @@ def main() -> None:
         for side in SIDES:
             run_load(warm, urls[side], str(model), "5")
         rows, raw = [], {}
+        failures: list[str] = []
         for level in args.logprobs.split(","):
 
             def measure(side: str, level: str = level) -> dict[str, float]:
-                return run_load(args, urls[side], str(model), level)
+                return run_load(args, urls[side], str(model), level, failures)
 
             raw[level], m, ratio = two_sides(SIDES, args.repeats, measure)
             rows.append([
@@ -124,7 +138,11 @@ def main() -> None:
         headers = ["logprobs", "streams", "stack tok/s", "vLLM tok/s", "tok/s ratio",
                    "stack TTFT p50 s", "vLLM TTFT p50 s", "TTFT ratio"]  # fmt: skip
         print(table(headers, rows))
-        write_json("stack_defaults", {"args": vars(args), "rows": rows, "raw": raw})
+        print(f"runs failed and run again: {failures or 'none'}")
+        write_json(
+            "stack_defaults",
+            {"args": vars(args), "rows": rows, "raw": raw, "urls": urls, "failed_runs": failures},
+        )
 
 
 if __name__ == "__main__":
