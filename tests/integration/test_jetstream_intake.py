@@ -33,6 +33,7 @@ from worker.nats.intake.jetstream import (
     JetStreamConfigError,
     JetStreamIntake,
     ensure_stream_and_consumer,
+    stream_name,
 )
 from worker.nats.runtime import WorkerRuntime, open_worker
 from worker.service import Delivery
@@ -148,6 +149,48 @@ async def test_load_aware_pull_never_gives_a_busy_worker_a_second_request(
     assert (
         all(w.service.served > 0 for w in workers) and sum(w.service.served for w in workers) == 8
     )
+
+
+async def test_messages_delivered_past_a_busy_workers_room_go_to_an_idle_peer_once(
+    client, queue_worker
+) -> None:
+    """A pull request that outlives its fetch (a busy event loop flushed it after the fetch
+    gave up) makes the server deliver a worker more than it has room for. Emulated here: a pull
+    request for 4 messages, alive 6 s, for worker A's inbox (nats-py keeps the inbox private:
+    `PullSubscription._deliver`), while A and B have one slot each and every request outlasts
+    ack_wait. Each extra is handed back at once and served once, by whichever worker has room;
+    left in A's buffer, two of them waited past ack_wait and were served twice (attempts [1, 3])."""
+    import json
+
+    subjects = Subjects("jsorphan", "vllm", "generate")
+    settings = JetStreamSettings(ack_wait_s=2.0)
+    a = await queue_worker(subjects, settings, paced(0.01), capacity=1)
+    b = await queue_worker(subjects, settings, paced(0.01), capacity=1)
+    assert isinstance(a.intake, JetStreamIntake) and a.intake._subscription is not None
+    inbox = a.intake._subscription._deliver
+    pull = json.dumps({"batch": 4, "expires": 6_000_000_000}).encode()
+    await client.publish(
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream_name(subjects, settings)}.{settings.durable}",
+        pull,
+        reply=inbox.decode() if isinstance(inbox, bytes) else inbox,
+    )
+    await client.flush()
+    await asyncio.sleep(0.2)
+    # 300 tokens at 10 ms: 3 s a request, past ack_wait.
+    results = await asyncio.gather(
+        *(
+            jetstream_complete(
+                client, make_request(f"o-{i}", [1, 60 + i, 300], max_tokens=300), subjects=subjects
+            )
+            for i in range(4)
+        )
+    )
+    for completion, attempts in results:
+        assert len(attempts) == 1, attempts  # one attempt answered: none served twice
+        assert completion.choices[0].finish_reason == "length"
+    assert a.service.served + b.service.served == 4
+    state, consumer = await settled_state(client, subjects, settings)
+    assert state.messages == 0 and consumer.num_ack_pending == 0
 
 
 async def test_incompatible_existing_stream_is_refused_with_a_clear_message(client) -> None:

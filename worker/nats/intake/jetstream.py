@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_BUFFER_CHECK_S = 0.1
+"""How often a worker with no free slot looks for messages delivered to it anyway."""
+
 
 class JetStreamConfigError(RuntimeError):
     """An existing stream or consumer is configured incompatibly with this worker."""
@@ -197,13 +200,12 @@ class JetStreamIntake:
         # Load-aware: ask only for as many messages as there are free slots, so a busy worker
         # leaves the queue to idle peers (unlike a queue group's random pick).
         while not self._stopping:
-            await self.service.wait_for_capacity(self.capacity)
+            batch = await self._room(subscription)
             if self._stopping:
                 return
             try:
                 messages = await subscription.fetch(
-                    batch=self.capacity - self.service.in_flight,
-                    timeout=self.settings.fetch_timeout_s,
+                    batch=batch, timeout=self.settings.fetch_timeout_s
                 )
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 # Nothing queued. nats-py raises asyncio's own TimeoutError too when the pull's
@@ -221,6 +223,27 @@ class JetStreamIntake:
                     await msg.term()
                 else:
                     await self._take_guarded(msg)
+
+    async def _room(self, subscription: JetStreamContext.PullSubscription) -> int:
+        """How many messages the next fetch asks for: the free slots, once there is one, plus
+        the messages the server already delivered to this worker's buffer, which a fetch takes
+        first. Those are taken even with no slot free (each refused as overloaded and NAKed, so
+        an idle peer serves it): left in the buffer they would wait past `ack_wait` and be
+        delivered again while this worker still holds them, and be served twice. The server
+        delivers more than a fetch asked for when a pull request outlives its fetch: a busy
+        event loop flushes the request late, after the fetch gave up waiting."""
+        while not self._stopping:
+            buffered = subscription.pending_msgs
+            free = self.capacity - self.service.in_flight
+            if buffered or (free > 0 and not self.service.asleep):
+                return buffered + max(free, 0)
+            try:
+                await asyncio.wait_for(
+                    self.service.wait_for_capacity(self.capacity), _BUFFER_CHECK_S
+                )
+            except TimeoutError:
+                pass
+        return 0
 
     async def _unheard_redelivery(self, msg: Msg) -> bool:
         """Whether `msg` is a redelivery whose reply subject nobody listens on any more: its
