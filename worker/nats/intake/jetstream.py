@@ -8,6 +8,8 @@ Settings and why:
 - durable pull consumer (default `vllm-workers`): explicit acks, `ack_wait` (30 s) with in-progress
   acks (+WPI) every `ack_wait / 3` while generating, so only a dead worker's requests are
   redelivered; `max_deliver` (3) bounds attempts; `max_ack_pending` bounds requests out at once;
+- fetches ask for the free slots only; a message delivered past them (a pull request that
+  outlived its fetch) is refused as overloaded and NAKed at once, not left in the buffer;
 - the reply subject travels in the `Reply-To` header (a JetStream message's own reply subject is
   its ack subject); frames carry `attempt` = the delivery count;
 - ack after the final frame is published; a retryable failure with attempts left is NAKed
