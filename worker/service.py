@@ -227,7 +227,15 @@ class RequestService:
         elif limit is not None and self.in_flight >= limit:
             refusal = ("overloaded", f"worker at max_concurrency {limit}: retry on another worker")
         if refusal is not None:
-            if not delivery.redelivers:
+            if delivery.redelivers:
+                log.info(
+                    "request %s %s, left to a redelivery (attempt %s): %s",
+                    loggable(decoded.request_id),
+                    refusal[0],
+                    delivery.attempt,
+                    refusal[1],
+                )
+            else:
                 await self._refuse(writer, delivery, decoded.request_id, *refusal)
             return refusal[0]
         session = self._session(decoded, writer, delivery)

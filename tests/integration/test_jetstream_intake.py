@@ -6,6 +6,7 @@ failing pull loop, malformed payloads (fuzz), and the stream left empty after ea
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -152,7 +153,7 @@ async def test_load_aware_pull_never_gives_a_busy_worker_a_second_request(
 
 
 async def test_messages_delivered_past_a_busy_workers_room_go_to_an_idle_peer_once(
-    client, queue_worker
+    client, queue_worker, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A pull request that outlives its fetch (a busy event loop flushed it after the fetch
     gave up) makes the server deliver a worker more than it has room for. Emulated here: a pull
@@ -162,6 +163,7 @@ async def test_messages_delivered_past_a_busy_workers_room_go_to_an_idle_peer_on
     left in A's buffer, two of them waited past ack_wait and were served twice (attempts [1, 3])."""
     import json
 
+    caplog.set_level(logging.INFO, logger="worker.service")
     subjects = Subjects("jsorphan", "vllm", "generate")
     settings = JetStreamSettings(ack_wait_s=2.0)
     a = await queue_worker(subjects, settings, paced(0.01), capacity=1)
@@ -191,6 +193,10 @@ async def test_messages_delivered_past_a_busy_workers_room_go_to_an_idle_peer_on
     assert a.service.served + b.service.served == 4
     state, consumer = await settled_state(client, subjects, settings)
     assert state.messages == 0 and consumer.num_ack_pending == 0
+    handed_back = [
+        r.getMessage() for r in caplog.records if "left to a redelivery" in r.getMessage()
+    ]
+    assert handed_back and all(" overloaded, " in line for line in handed_back), handed_back
 
 
 async def test_incompatible_existing_stream_is_refused_with_a_clear_message(client) -> None:
