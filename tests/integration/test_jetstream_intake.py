@@ -157,10 +157,12 @@ async def test_messages_delivered_past_a_busy_workers_room_go_to_an_idle_peer_on
 ) -> None:
     """A pull request that outlives its fetch (a busy event loop flushed it after the fetch
     gave up) makes the server deliver a worker more than it has room for. Emulated here: a pull
-    request for 4 messages, alive 6 s, for worker A's inbox (nats-py keeps the inbox private:
-    `PullSubscription._deliver`), while A and B have one slot each and every request outlasts
-    ack_wait. Each extra is handed back at once and served once, by whichever worker has room;
-    left in A's buffer, two of them waited past ack_wait and were served twice (attempts [1, 3])."""
+    request for 4 messages, alive a fetch timeout (the longest a real one outlives its fetch),
+    for worker A's inbox (nats-py keeps the inbox private: `PullSubscription._deliver`), while A
+    and B have one slot each and every request outlasts ack_wait. Each extra is handed back at
+    once, after that pull request is gone, and served once by whichever worker has room. Left
+    in A's buffer they waited past ack_wait and went out again: answered at attempt 3, or
+    served twice (attempts [1, 3]) with a pull request alive longer."""
     import json
 
     caplog.set_level(logging.INFO, logger="worker.service")
@@ -170,7 +172,8 @@ async def test_messages_delivered_past_a_busy_workers_room_go_to_an_idle_peer_on
     b = await queue_worker(subjects, settings, paced(0.01), capacity=1)
     assert isinstance(a.intake, JetStreamIntake) and a.intake._subscription is not None
     inbox = a.intake._subscription._deliver
-    pull = json.dumps({"batch": 4, "expires": 6_000_000_000}).encode()
+    expires = int(settings.fetch_timeout_s * 1e9)
+    pull = json.dumps({"batch": 4, "expires": expires}).encode()
     await client.publish(
         f"$JS.API.CONSUMER.MSG.NEXT.{stream_name(subjects, settings)}.{settings.durable}",
         pull,
@@ -188,7 +191,9 @@ async def test_messages_delivered_past_a_busy_workers_room_go_to_an_idle_peer_on
         )
     )
     for completion, attempts in results:
-        assert len(attempts) == 1, attempts  # one attempt answered: none served twice
+        # One attempt answered (none served twice), at most the one after A's hand-back: a busy
+        # worker takes nothing more from the queue only to hand it back.
+        assert len(attempts) == 1 and attempts[0] <= 2, attempts
         assert completion.choices[0].finish_reason == "length"
     assert a.service.served + b.service.served == 4
     state, consumer = await settled_state(client, subjects, settings)

@@ -1,5 +1,12 @@
 """The one place the worker touches nats-py's private state, version-gated.
 
+`take_buffered(subscription)`: the messages a JetStream pull subscription holds that no fetch
+took, without asking the server for more (see its docstring). Read on nats-py 2.16, whose
+`fetch` drains the same buffer the same way; on another version nothing is taken, with a
+warning, and such messages wait for the next fetch as before. Not yet reported upstream (no
+network here): nats-py's fetch always sends a pull request after draining its buffer, for
+`batch` minus what it drained, which the server reads as one message more when that is 0 or less.
+
 `flush_ordered(nc)`: nats-py's `flush()` writes its PING to the socket at once, ahead of commands
 still in its write buffer (the SUBs of subscriptions just made), so its PONG can come back before
 the server saw them, and a request published right after goes to nobody: a worker that has just
@@ -18,10 +25,14 @@ import logging
 from importlib.metadata import PackageNotFoundError, version
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
 
 log = logging.getLogger(__name__)
 
-# [lowest, highest) nats-py release whose Client has `_flush_pending(force_flush=...)`.
+# [lowest, highest) nats-py release this module's private reads were checked on: the Client's
+# `_flush_pending(force_flush=...)` (2.7-2.16), a subscription's `_pending_queue` and
+# `_pending_size` behind a pull subscription's `_sub` (read on 2.16; unchanged since 2.7).
 SUPPORTED = ((2, 7), (2, 17))
 
 
@@ -34,12 +45,12 @@ def _release() -> tuple[int, int] | None:
 
 
 _RELEASE = _release()
-_PRIVATE_FLUSH = _RELEASE is not None and SUPPORTED[0] <= _RELEASE < SUPPORTED[1]
+_CHECKED = _RELEASE is not None and SUPPORTED[0] <= _RELEASE < SUPPORTED[1]
 
 
 async def flush_ordered(nc: NATS, timeout: int = 10) -> None:
     """Returns once the server has processed everything sent on `nc` so far."""
-    if _PRIVATE_FLUSH:
+    if _CHECKED:
         await nc._flush_pending(force_flush=True)
         await nc.flush(timeout)
         return
@@ -47,3 +58,23 @@ async def flush_ordered(nc: NATS, timeout: int = 10) -> None:
     await nc.flush(timeout)
     await asyncio.sleep(0.01)
     await nc.flush(timeout)
+
+
+def take_buffered(subscription: JetStreamContext.PullSubscription) -> list[Msg]:
+    """What the server delivered to `subscription` beyond any fetch (a pull request that outlived
+    its fetch), taken from nats-py's buffer without a pull request: `fetch` would take these
+    first and then ask the server for one message more when they fill its batch. Status messages
+    (a pull request's end) are dropped, as `fetch` drops them."""
+    if not _CHECKED:
+        if subscription.pending_msgs:
+            log.warning("nats-py %s: buffered JetStream messages left to the next fetch", _RELEASE)
+        return []
+    sub = subscription._sub
+    taken = []
+    while not sub._pending_queue.empty():
+        msg = sub._pending_queue.get_nowait()
+        sub._pending_size -= len(msg.data)
+        sub._pending_queue.task_done()
+        if not JetStreamContext.is_status_msg(msg):
+            taken.append(msg)
+    return taken

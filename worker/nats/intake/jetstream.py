@@ -9,7 +9,7 @@ Settings and why:
   acks (+WPI) every `ack_wait / 3` while generating, so only a dead worker's requests are
   redelivered; `max_deliver` (3) bounds attempts; `max_ack_pending` bounds requests out at once;
 - fetches ask for the free slots only; a message delivered past them (a pull request that
-  outlived its fetch) is refused as overloaded and NAKed at once, not left in the buffer;
+  outlived its fetch) is taken from the buffer at once, and NAKed as overloaded if no slot is free;
 - the reply subject travels in the `Reply-To` header (a JetStream message's own reply subject is
   its ack subject); frames carry `attempt` = the delivery count;
 - ack after the final frame is published; a retryable failure with attempts left is NAKed
@@ -24,6 +24,7 @@ start and says what differs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -43,6 +44,7 @@ from worker.nats.discovery import Endpoint
 from worker.nats.liveness import Liveness, NatsReply
 from worker.service import Delivery, RequestService
 from worker.session import Outcome
+from worker.shared import nats_compat
 from worker.shared.log_text import loggable
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _BUFFER_CHECK_S = 0.1
-"""How often a worker with no free slot looks for messages delivered to it anyway."""
+"""How often a worker with no free slot looks for messages delivered to it all the same."""
 
 
 class JetStreamConfigError(RuntimeError):
@@ -202,12 +204,21 @@ class JetStreamIntake:
         # Load-aware: ask only for as many messages as there are free slots, so a busy worker
         # leaves the queue to idle peers (unlike a queue group's random pick).
         while not self._stopping:
-            batch = await self._room(subscription)
-            if self._stopping:
-                return
+            # Delivered past any fetch (a pull request that outlived its fetch: a busy event
+            # loop flushed it late): taken now, each served if a slot is free, else refused as
+            # overloaded and NAKed for a peer. Left in the buffer with no slot free, they would
+            # wait past `ack_wait`, be delivered again and be served twice.
+            await self._take_all(nats_compat.take_buffered(subscription))
+            if self.service.asleep or self.service.in_flight >= self.capacity:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self.service.wait_for_capacity(self.capacity), _BUFFER_CHECK_S
+                    )
+                continue
             try:
                 messages = await subscription.fetch(
-                    batch=batch, timeout=self.settings.fetch_timeout_s
+                    batch=self.capacity - self.service.in_flight,
+                    timeout=self.settings.fetch_timeout_s,
                 )
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 # Nothing queued. nats-py raises asyncio's own TimeoutError too when the pull's
@@ -219,33 +230,15 @@ class JetStreamIntake:
                 log.warning("jetstream fetch failed: %r", error)
                 await asyncio.sleep(0.5)
                 continue
-            unheard = await asyncio.gather(*(self._unheard_redelivery(m) for m in messages))
-            for msg, drop in zip(messages, unheard, strict=True):
-                if drop:
-                    await msg.term()
-                else:
-                    await self._take_guarded(msg)
+            await self._take_all(messages)
 
-    async def _room(self, subscription: JetStreamContext.PullSubscription) -> int:
-        """How many messages the next fetch asks for: the free slots, once there is one, plus
-        the messages the server already delivered to this worker's buffer, which a fetch takes
-        first. Those are taken even with no slot free (each refused as overloaded and NAKed, so
-        an idle peer serves it): left in the buffer they would wait past `ack_wait` and be
-        delivered again while this worker still holds them, and be served twice. The server
-        delivers more than a fetch asked for when a pull request outlives its fetch: a busy
-        event loop flushes the request late, after the fetch gave up waiting."""
-        while not self._stopping:
-            buffered = subscription.pending_msgs
-            free = self.capacity - self.service.in_flight
-            if buffered or (free > 0 and not self.service.asleep):
-                return buffered + max(free, 0)
-            try:
-                await asyncio.wait_for(
-                    self.service.wait_for_capacity(self.capacity), _BUFFER_CHECK_S
-                )
-            except TimeoutError:
-                pass
-        return 0
+    async def _take_all(self, messages: list[Msg]) -> None:
+        unheard = await asyncio.gather(*(self._unheard_redelivery(m) for m in messages))
+        for msg, drop in zip(messages, unheard, strict=True):
+            if drop:
+                await msg.term()
+            else:
+                await self._take_guarded(msg)
 
     async def _unheard_redelivery(self, msg: Msg) -> bool:
         """Whether `msg` is a redelivery whose reply subject nobody listens on any more: its
@@ -298,7 +291,11 @@ class JetStreamIntake:
             case "ack":
                 await msg.ack()
             case "nak":
-                await msg.nak(delay=0.5)
+                # No slot free ("overloaded") means a message delivered past this worker's room
+                # by a pull request that outlived its fetch, which lives at most a fetch timeout
+                # more: it comes back after that, for a peer, not to the same pull request.
+                overloaded = code == "overloaded"
+                await msg.nak(delay=self.settings.fetch_timeout_s if overloaded else 0.5)
             case "term":
                 await msg.term()
 
