@@ -174,6 +174,8 @@ class JetStreamSettings:
     max_age_s: float = 3600.0
     """Seconds a queued request may wait before the stream drops it."""
     fetch_timeout_s: float = 1.0
+    """How long one pull waits for messages; also the delay before a message delivered past a
+    busy worker's free slots comes back (a pull request outlives its fetch by at most this)."""
     capacity: int = 64
     """Requests pulled at once (the worker's max_concurrency when set)."""
 

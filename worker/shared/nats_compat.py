@@ -60,13 +60,18 @@ async def flush_ordered(nc: NATS, timeout: int = 10) -> None:
     await nc.flush(timeout)
 
 
+_warned_buffer = False
+
+
 def take_buffered(subscription: JetStreamContext.PullSubscription) -> list[Msg]:
     """What the server delivered to `subscription` beyond any fetch (a pull request that outlived
     its fetch), taken from nats-py's buffer without a pull request: `fetch` would take these
     first and then ask the server for one message more when they fill its batch. Status messages
     (a pull request's end) are dropped, as `fetch` drops them."""
+    global _warned_buffer
     if not _CHECKED:
-        if subscription.pending_msgs:
+        if subscription.pending_msgs and not _warned_buffer:
+            _warned_buffer = True
             log.warning("nats-py %s: buffered JetStream messages left to the next fetch", _RELEASE)
         return []
     sub = subscription._sub

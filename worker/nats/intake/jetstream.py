@@ -56,6 +56,14 @@ _BUFFER_CHECK_S = 0.1
 """How often a worker with no free slot looks for messages delivered to it all the same."""
 
 
+async def _nak_all(messages: list[Msg]) -> None:
+    for msg in messages:
+        try:
+            await msg.nak()
+        except Exception as error:  # the connection is going: the server redelivers later
+            log.debug("jetstream: could not NAK message: %r", error)
+
+
 class JetStreamConfigError(RuntimeError):
     """An existing stream or consumer is configured incompatibly with this worker."""
 
@@ -210,7 +218,7 @@ class JetStreamIntake:
             # wait past `ack_wait`, be delivered again and be served twice.
             await self._take_all(nats_compat.take_buffered(subscription))
             if self.service.asleep or self.service.in_flight >= self.capacity:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):  # not TimeoutError on 3.10
                     await asyncio.wait_for(
                         self.service.wait_for_capacity(self.capacity), _BUFFER_CHECK_S
                     )
@@ -233,12 +241,19 @@ class JetStreamIntake:
             await self._take_all(messages)
 
     async def _take_all(self, messages: list[Msg]) -> None:
-        unheard = await asyncio.gather(*(self._unheard_redelivery(m) for m in messages))
-        for msg, drop in zip(messages, unheard, strict=True):
-            if drop:
-                await msg.term()
-            else:
-                await self._take_guarded(msg)
+        """Takes each message in turn; cancelled on the way (the intake stopping), it NAKs the
+        ones it had not begun, so they go out again at once rather than after `ack_wait`."""
+        begun = 0
+        try:
+            unheard = await asyncio.gather(*(self._unheard_redelivery(m) for m in messages))
+            for msg, drop in zip(messages, unheard, strict=True):
+                begun += 1
+                if drop:
+                    await msg.term()
+                else:
+                    await self._take_guarded(msg)
+        finally:
+            await _nak_all(messages[begun:])
 
     async def _unheard_redelivery(self, msg: Msg) -> bool:
         """Whether `msg` is a redelivery whose reply subject nobody listens on any more: its
@@ -356,6 +371,8 @@ class JetStreamIntake:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._subscription is not None:
+            # Delivered and never taken: back to the queue now, not at `ack_wait`.
+            await _nak_all(nats_compat.take_buffered(self._subscription))
             try:
                 await self._subscription.unsubscribe()
             except Exception as error:  # the connection is closing anyway
