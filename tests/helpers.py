@@ -158,11 +158,28 @@ async def read_until(stream, pattern: str, lines: list[str], timeout: float) -> 
     raise AssertionError(f"no {pattern!r} in output after {waited:.0f} s:\n{''.join(lines[-60:])}")
 
 
+def signal_another_thread(pid: int, signum: int) -> int:
+    """Sends `signum` to a thread of process `pid` other than its main thread (Linux tgkill), as
+    the kernel may deliver a signal sent to the process; returns that thread's id."""
+    import ctypes
+
+    thread = next(t.id for t in psutil.Process(pid).threads() if t.id != pid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, thread, signum) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill {pid} {thread}")
+    return thread
+
+
 async def sigterm_mid_stream(
-    proc: asyncio.subprocess.Process, frames: AsyncIterator[ResponseFrame], timeout: float = 60.0
+    proc: asyncio.subprocess.Process,
+    frames: AsyncIterator[ResponseFrame],
+    timeout: float = 60.0,
+    *,
+    to_another_thread: bool = False,
 ) -> list[ResponseFrame]:
     """Every frame of one request, with SIGTERM sent to `proc` once its first frame arrived (a
-    draining worker lets a request in flight finish)."""
+    draining worker lets a request in flight finish); `to_another_thread`: to one of its threads
+    other than the main one (signal_another_thread)."""
     seen: list[ResponseFrame] = []
 
     async def read() -> None:
@@ -172,7 +189,10 @@ async def sigterm_mid_stream(
     reading = asyncio.create_task(read())
     while not seen and not reading.done():
         await asyncio.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
+    if to_another_thread:
+        signal_another_thread(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     await asyncio.wait_for(reading, timeout)
     return seen
 

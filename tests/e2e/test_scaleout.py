@@ -220,11 +220,27 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
 
         watcher = asyncio.create_task(watch_health())
         long = make_request("mp-long", PROMPT, max_tokens=200)
-        frames = await sigterm_mid_stream(proc, generate(client, long, subject=subjects.generate))
+        # Sent to a thread other than the main one, as the kernel may deliver it: the main thread
+        # still runs the handler (it hung in CI once, blocked waiting for a process to end).
+        frames = await sigterm_mid_stream(
+            proc, generate(client, long, subject=subjects.generate), to_another_thread=True
+        )
         # The watcher ends when it sees draining or the port closes at the exit; on a loaded
         # host the exit (the engine core shut down after the processes) took over 30 s once,
         # and over 120 s in CI run 28 (the niced worker beside every job's engines).
-        await asyncio.wait_for(watcher, 240)
+        try:
+            await asyncio.wait_for(watcher, 240)
+        except asyncio.TimeoutError:
+            tree = [
+                f"{p.pid} {p.status()} {' '.join(p.cmdline())[:120]}"
+                for p in psutil.Process(proc.pid).children(recursive=True)
+            ]
+            pytest.fail(
+                "no draining /health and no exit in 240 s after SIGTERM; processes:\n"
+                + "\n".join(tree)
+                + "\nlast lines:\n"
+                + "".join(lines[-60:])
+            )
         assert frames[-1].finish_reason == "length"
         assert sum(len(f.token_ids) for f in frames) == 200
         assert seen_draining and seen_draining[0]["draining"] is True

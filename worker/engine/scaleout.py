@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,9 @@ def run(
         nonlocal stopping
         if not stopping:
             stopping = True
+            # vLLM's wait, still running in its thread, sees the processes end as they stop
+            # and reports each as a failure: not one.
+            _VLLM_WAIT_LOG.addFilter(_drop_all)
             log.info("signal %d: shutting the worker processes down (each drains)", signum)
             raise SystemExit
 
@@ -155,7 +159,7 @@ def run(
                 # The children bind their own endpoints; the engine's handshake (on `with`
                 # exit) needs the ones they got.
                 addresses.inputs, addresses.outputs = manager.gather_actual_addresses()
-        wait_for_completion_or_failure(manager, engine_manager, coordinator)
+        _wait_in_a_thread(wait_for_completion_or_failure, manager, engine_manager, coordinator)
         return 0
     except SystemExit:
         return 0 if stopping else 1
@@ -171,6 +175,38 @@ def run(
             coordinator.shutdown(timeout=10)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _VLLM_WAIT_LOG.removeFilter(_drop_all)
+
+
+_VLLM_WAIT_LOG = logging.getLogger("vllm.v1.utils")
+"""The logger of vLLM's `wait_for_completion_or_failure`."""
+
+
+def _drop_all(record: logging.LogRecord) -> bool:
+    return False
+
+
+def _wait_in_a_thread(wait: Callable[..., None], *managers: Any) -> None:
+    """vLLM's wait for the processes to end, run in a thread of its own while this (main) thread,
+    the one that runs Python's signal handlers, wakes every half second. The kernel may deliver
+    SIGTERM to any thread of the process (the metrics server's, vLLM's engine monitor); a main
+    thread blocked in vLLM's `select` for a process to end would then never run the handler, and
+    the worker would neither drain nor exit (seen once in CI; tests/e2e/test_scaleout.py sends
+    the signal to another thread). Re-raises what the wait raised."""
+    failure: list[BaseException] = []
+
+    def run_wait() -> None:
+        try:
+            wait(*managers)
+        except BaseException as error:  # re-raised in the main thread
+            failure.append(error)
+
+    waiter = threading.Thread(target=run_wait, name="process-waiter", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.5)
+    if failure:
+        raise failure[0]
 
 
 def _stats_address(coordinator: Any) -> str | None:
