@@ -49,6 +49,8 @@ MODEL=/tmp/llama-1b
 # then says where the first token waits (bench.first_token).
 METRICS=(--metrics-port 9090 --metrics-host 127.0.0.1)
 WAITS=(--metrics-url http://127.0.0.1:9090/metrics)
+# NO_METRICS=1: neither (the worker with no metrics port, as before the first-token table).
+[ "${NO_METRICS:-0}" = 1 ] && METRICS=() && WAITS=()
 pkill -f "^python3 -m worker" ; pkill -f "vllm serve"; sleep 2
 pkill nats-server; nats-server -a 127.0.0.1 -p 4222 > "$OUT/nats.log" 2>&1 &
 sleep 1
