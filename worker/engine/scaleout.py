@@ -191,8 +191,8 @@ def _wait_in_a_thread(wait: Callable[..., None], *managers: Any) -> None:
     the one that runs Python's signal handlers, wakes every half second. The kernel may deliver
     SIGTERM to any thread of the process (the metrics server's, vLLM's engine monitor); a main
     thread blocked in vLLM's `select` for a process to end would then never run the handler, and
-    the worker would neither drain nor exit (seen once in CI; tests/e2e/test_scaleout.py sends
-    the signal to another thread). Re-raises what the wait raised."""
+    the worker would neither drain nor exit (tests/e2e/test_scaleout.py sends the signal to
+    another thread). Re-raises what the wait raised."""
     failure: list[BaseException] = []
 
     def run_wait() -> None:
