@@ -221,7 +221,7 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         watcher = asyncio.create_task(watch_health())
         long = make_request("mp-long", PROMPT, max_tokens=200)
         # Sent to a thread other than the main one, as the kernel may deliver it: the main thread
-        # still runs the handler (it hung in CI once, blocked waiting for a process to end).
+        # must still run the handler, not stay blocked waiting for a process to end.
         frames = await sigterm_mid_stream(
             proc, generate(client, long, subject=subjects.generate), to_another_thread=True
         )
