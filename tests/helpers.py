@@ -197,18 +197,31 @@ async def sigterm_mid_stream(
     return seen
 
 
-async def ready_metrics_port(proc, lines: list[str], processes: int = 1) -> int:
-    """Waits for the ready lines of a CLI worker's `processes` worker processes (started with
-    `--metrics-port 0 --metrics-host 127.0.0.1`) and returns the metrics port it names (in the
-    ready line of one process, in the parent's own line of several)."""
-    deadline = time.monotonic() + 300 + 150 * (processes - 1)
-    for _ in range(processes):
-        await read_until(
-            proc.stdout, r"vllm-nats-worker ready:", lines, deadline - time.monotonic()
-        )
+READY_LINE = "vllm-nats-worker ready:"
+
+
+def ready_deadline(processes: int) -> float:
+    """When a CLI worker of `processes` worker processes must have printed its ready lines (an
+    engine core and its clients starting on a busy 2-core host)."""
+    return time.monotonic() + 300 + 150 * (processes - 1)
+
+
+def metrics_port_in(lines: list[str]) -> int:
+    """The one metrics port a CLI worker's lines name (started with `--metrics-port 0
+    --metrics-host 127.0.0.1`: in the ready line of one process, in the parent's own line of
+    several)."""
     ports = re.findall(r"metrics http://127\.0\.0\.1:(\d+)/metrics", "".join(lines))
     assert len(set(ports)) == 1, ports
     return int(ports[0])
+
+
+async def ready_metrics_port(proc, lines: list[str], processes: int = 1) -> int:
+    """Reads a CLI worker's output up to the ready lines of its `processes` worker processes
+    and returns the metrics port it names."""
+    deadline = ready_deadline(processes)
+    for _ in range(processes):
+        await read_until(proc.stdout, READY_LINE, lines, deadline - time.monotonic())
+    return metrics_port_in(lines)
 
 
 async def collect(stream, lines: list[str]) -> None:
@@ -232,16 +245,15 @@ class Started:
         return cls(proc, lines, asyncio.create_task(collect(proc.stdout, lines)))
 
     async def metrics_port(self, processes: int = 1) -> int:
-        """`ready_metrics_port` from the lines read so far and to come."""
-        deadline = time.monotonic() + 300 + 150 * (processes - 1)
-        while sum("vllm-nats-worker ready:" in line for line in self.lines) < processes:
+        """`ready_metrics_port` for lines `output` reads: waits for them to hold the ready
+        lines."""
+        deadline = ready_deadline(processes)
+        while sum(READY_LINE in line for line in self.lines) < processes:
             assert self.proc.returncode is None and time.monotonic() < deadline, "".join(
                 self.lines[-60:]
             )
             await asyncio.sleep(0.2)
-        ports = re.findall(r"metrics http://127\.0\.0\.1:(\d+)/metrics", "".join(self.lines))
-        assert len(set(ports)) == 1, ports
-        return int(ports[0])
+        return metrics_port_in(self.lines)
 
     async def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
