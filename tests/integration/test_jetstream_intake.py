@@ -184,7 +184,9 @@ async def test_messages_delivered_past_a_busy_workers_room_go_to_an_idle_peer_on
     results = await asyncio.gather(
         *(
             jetstream_complete(
-                client, make_request(f"o-{i}", [1, 60 + i, 300], max_tokens=300), subjects=subjects
+                client,
+                make_request(f"o-{i}", [1, 60 + i, 300], max_tokens=300, logprobs=5),
+                subjects=subjects,
             )
             for i in range(4)
         )
@@ -193,7 +195,9 @@ async def test_messages_delivered_past_a_busy_workers_room_go_to_an_idle_peer_on
         # One attempt answered (none served twice), at most the one after A's hand-back: a busy
         # worker takes nothing more from the queue only to hand it back.
         assert len(attempts) == 1 and attempts[0] <= 2, attempts
-        assert completion.choices[0].finish_reason == "length"
+        choice = completion.choices[0]
+        assert choice.finish_reason == "length" and len(choice.token_ids) == 300
+        assert len(choice.log_probs) == 300 and len(choice.top_logprobs) == 300
     assert a.service.served + b.service.served == 4
     state, consumer = await settled_state(client, subjects, settings)
     assert state.messages == 0 and consumer.num_ack_pending == 0
