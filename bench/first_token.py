@@ -17,7 +17,16 @@ change of their `_sum` and `_count` over one run (means subtract; percentiles wo
 vLLM records the engine-core stretches when a request finishes and its TTFT at the first token,
 so a run's means cover nearly, not exactly, the same requests; runs here end with every request
 finished. bench.worker_processes prints this table with `--metrics-url` (the worker's
-`--metrics-port`).
+`--metrics-port`, or `vllm serve`'s own /metrics: it has no worker histogram, so its worker
+stretch is 0 and "NATS and the caller" is its HTTP side).
+
+After the first token, the same snapshots say who sets the pace of a stream (`after_first`):
+the engine core's decode time per output token (`vllm:request_decode_time_seconds` over the
+requests' generated tokens less their first), vLLM's client-side gap between tokens
+(`vllm:inter_token_latency_seconds`, timed where the engine's outputs are read), and the load's
+own time per token and stream (streams ÷ tok/s). An engine core that is slow per token is slow
+for everyone; a gap that the engine does not show is the clients' (output handling, frames, the
+frontend).
 """
 
 from __future__ import annotations
@@ -30,7 +39,10 @@ WORKER_TTFT = "nats_worker_time_to_first_token_seconds"
 VLLM_TTFT = "vllm:time_to_first_token_seconds"
 QUEUE = "vllm:request_queue_time_seconds"
 PREFILL = "vllm:request_prefill_time_seconds"
-HISTOGRAMS = (WORKER_TTFT, VLLM_TTFT, QUEUE, PREFILL)
+DECODE = "vllm:request_decode_time_seconds"
+GENERATED = "vllm:request_generation_tokens"
+GAP = "vllm:inter_token_latency_seconds"
+HISTOGRAMS = (WORKER_TTFT, VLLM_TTFT, QUEUE, PREFILL, DECODE, GENERATED, GAP)
 
 STRETCHES = (
     "engine core: waiting",
@@ -67,6 +79,8 @@ def stretches(client_ttft_s: Sequence[float], histogram_means: dict[str, float])
     client = sum(client_ttft_s) / len(client_ttft_s) if client_ttft_s else float("nan")
     queue, prefill = histogram_means[QUEUE], histogram_means[PREFILL]
     vllm, worker = histogram_means[VLLM_TTFT], histogram_means[WORKER_TTFT]
+    if worker != worker:  # NaN: no worker in front (vllm serve's own /metrics)
+        worker = vllm
     return [queue, prefill, vllm - queue - prefill, worker - vllm, client - worker]
 
 
@@ -83,3 +97,30 @@ def render(rows: dict[str, list[float]]) -> str:
         lines.append([name, *cells])
     lines.append(["mean TTFT", *(f"{sum(rows[s]) * 1e3:.0f} ms" for s in settings)])
     return table(["where the first token waits", *(f"logprobs {s}" for s in settings)], lines)
+
+
+PACE = (
+    "engine core: decode per output token",
+    "vLLM's client: gap between tokens",
+    "the load: per token and stream",
+)
+
+
+def after_first(
+    histogram_means: dict[str, float], streams: int, tokens_per_s: float
+) -> list[float]:
+    """The three paces of PACE (s per token), in order. The decode histogram's mean is per
+    request, as is the generated-token histogram's, so their ratio less the first token is the
+    engine's mean time per later token."""
+    later = histogram_means[GENERATED] - 1
+    decode = histogram_means[DECODE] / later if later > 0 else float("nan")
+    return [decode, histogram_means[GAP], streams / tokens_per_s]
+
+
+def render_pace(rows: dict[str, list[float]]) -> str:
+    """A table of the paces (ms per token), one column per setting."""
+    settings = list(rows)
+    lines = [
+        [name, *(f"{rows[s][i] * 1e3:.2f} ms" for s in settings)] for i, name in enumerate(PACE)
+    ]
+    return table(["after the first token", *(f"logprobs {s}" for s in settings)], lines)

@@ -47,6 +47,7 @@ async def measure(args: argparse.Namespace) -> None:
     load = LoadProcess(client, args.nats_url, args.subject, openai).start()
     results = []
     waits: dict[str, list[float]] = {}
+    paces: dict[str, list[float]] = {}
     for level in args.logprobs.split(","):
         logprobs = None if level == "off" else int(level)
         runs = []
@@ -67,6 +68,7 @@ async def measure(args: argparse.Namespace) -> None:
             histograms = first_token.means(before, first_token.snapshot(args.metrics_url))
             ttfts = [t for r in runs for t in r.ttft_s]
             waits[level] = first_token.stretches(ttfts, histograms)
+            paces[level] = first_token.after_first(histograms, args.concurrency, median(rates))
         results.append(
             {
                 "logprobs": level,
@@ -86,8 +88,10 @@ async def measure(args: argparse.Namespace) -> None:
     await client.close()
     if waits:
         print(first_token.render(waits), flush=True)
+        print(first_token.render_pace(paces), flush=True)
     write_json(
-        side_name(args.label), {"settings": vars(args), "results": results, "first_token": waits}
+        side_name(args.label),
+        {"settings": vars(args), "results": results, "first_token": waits, "pace": paces},
     )
 
 

@@ -78,6 +78,7 @@ load() {  # load <label> [worker_processes args]: one bench run per concurrency 
     cp "bench/out/side_$l.json" "$OUT/" 2>/dev/null
     tail -4 "$OUT/side-$l.txt"
     grep -A9 "where the first token waits" "$OUT/side-$l.txt"
+    grep -A5 "after the first token" "$OUT/side-$l.txt"
   done
 }
 
@@ -127,7 +128,10 @@ case "$SIDE" in
       sleep 2
     done
     echo "$label ready after $(( $(date +%s) - started )) s"
-    load "$label" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL"
+    # vllm serve's own /metrics: the same engine histograms, no worker (NO_METRICS=1: none).
+    serve_waits=(--metrics-url http://127.0.0.1:8000/metrics)
+    [ "${NO_METRICS:-0}" = 1 ] && serve_waits=()
+    load "$label" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" "${serve_waits[@]}"
     kill -TERM $server; wait $server; echo "server exit $?"
     ;;
   worker)

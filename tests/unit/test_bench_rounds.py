@@ -70,6 +70,9 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
         first_token.VLLM_TTFT: 1.2,
         first_token.QUEUE: 0.2,
         first_token.PREFILL: 0.4,
+        first_token.DECODE: 2.0,
+        first_token.GENERATED: 404.0,
+        first_token.GAP: 0.02,
     }
     after = {
         **{f"{name}_sum": 1.0 + added[name] for name in names},
@@ -82,6 +85,9 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
             first_token.VLLM_TTFT: 0.3,
             first_token.QUEUE: 0.05,
             first_token.PREFILL: 0.1,
+            first_token.DECODE: 0.5,
+            first_token.GENERATED: 101.0,
+            first_token.GAP: 0.005,
         }
     )
     cut = first_token.stretches([0.5, 0.7], means)
@@ -91,3 +97,29 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
     assert "NATS and the caller (intake, frame delivery, frontend) | 200 ms (33%)" in printed
     assert "mean TTFT | 600 ms" in printed
     assert math.isnan(first_token.means(before, before)[first_token.QUEUE]), "none observed"
+
+
+def test_the_pace_after_the_first_token_is_per_later_token_and_the_worker_stretch_absent_is_0() -> (
+    None
+):
+    """bench.first_token.after_first: the engine's decode time per request over its tokens less
+    the first, vLLM's client-side gap, and the load's streams per tok/s; and vllm serve's own
+    /metrics (no worker histogram) put no time on the worker."""
+    from bench import first_token
+
+    means = {
+        first_token.DECODE: 0.5,
+        first_token.GENERATED: 101.0,
+        first_token.GAP: 0.006,
+        first_token.WORKER_TTFT: float("nan"),
+        first_token.VLLM_TTFT: 0.3,
+        first_token.QUEUE: 0.05,
+        first_token.PREFILL: 0.1,
+    }
+    pace = first_token.after_first(means, streams=32, tokens_per_s=3200.0)
+    assert pace == pytest.approx([0.005, 0.006, 0.01])
+    printed = first_token.render_pace({"off": pace})
+    assert "engine core: decode per output token | 5.00 ms" in printed
+    assert "the load: per token and stream | 10.00 ms" in printed
+    cut = first_token.stretches([0.5], means)
+    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.0, 0.2])
