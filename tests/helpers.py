@@ -548,7 +548,12 @@ async def serving(app: Any) -> AsyncIterator[str]:
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # A stream the app never ends would hold uvicorn's shutdown forever; 5 s bounds it, so such
+    # a test fails on its own assertion instead of hanging to the per-test timeout.
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
         while not server.started:

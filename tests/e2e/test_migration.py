@@ -269,6 +269,7 @@ async def test_a_rolling_restart_under_load_ends_no_request_in_error(
     frontend_ends: list[str | None] = []
 
     progress = [0] * 48  # each library caller: tokens of its current request so far
+    chats: dict[int, list[str]] = {}  # each chat caller: its current stream's id and chunks
 
     async def library_caller(i: int) -> None:
         n = 0
@@ -297,7 +298,9 @@ async def test_a_rolling_restart_under_load_ends_no_request_in_error(
                 extra_body={"ignore_eos": True},
             )
             finish = None
+            chats[i] = []
             async for chunk in stream:
+                chats[i].append(chunk.id)
                 finish = chunk.choices[0].finish_reason if chunk.choices else finish
             frontend_ends.append(finish)
 
@@ -322,14 +325,26 @@ async def test_a_rolling_restart_under_load_ends_no_request_in_error(
                 runs[k] = asyncio.create_task(workers[k].run(stops[k]))
                 await asyncio.sleep(3)
             restarting = False
-            await asyncio.wait_for(asyncio.gather(*callers), 120)
+            _, open_callers = await asyncio.wait(callers, timeout=120)
+            # A caller still open names its stream: the library's request id and tokens so far,
+            # or the chat's completion id and chunks so far.
+            assert not open_callers, sorted(
+                f"library roll-{i}: {progress[i]} tokens"
+                if i < 48
+                else f"chat {i - 48}: {len(chats.get(i - 48, []))} chunks of "
+                f"{(chats.get(i - 48) or ['no stream'])[-1]}"
+                for i, task in enumerate(callers)
+                if task in open_callers
+            )
+            for task in callers:
+                task.result()
         finally:
             restarting = False
             for task in callers:
                 task.cancel()
             for stop in stops:
                 stop.set()
-            await asyncio.gather(*runs, return_exceptions=True)
+            await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 60)
     for each in (nc, *clients):
         await each.close()
     assert library_ends and set(library_ends) == {"length"}, library_ends
