@@ -20,13 +20,14 @@ finished. bench.worker_processes prints this table with `--metrics-url` (the wor
 `--metrics-port`, or `vllm serve`'s own /metrics: it has no worker histogram, so its worker
 stretch is 0 and "NATS and the caller" is its HTTP side).
 
-After the first token, the same snapshots say who sets the pace of a stream (`after_first`):
-the engine core's decode time per output token (`vllm:request_decode_time_seconds` over the
-requests' generated tokens less their first), vLLM's client-side gap between tokens
-(`vllm:inter_token_latency_seconds`, timed where the engine's outputs are read), and the load's
-own time per token and stream (streams ÷ tok/s). An engine core that is slow per token is slow
-for everyone; a gap that the engine does not show is the clients' (output handling, frames, the
-frontend).
+After the first token, the same snapshots say who sets the pace of a stream (`after_first`),
+per later token (each request's generated tokens less its first): the engine core's
+(`vllm:request_decode_time_seconds`, from the engine core's own step timestamps, as is vLLM's
+inter-token histogram), vLLM's client loop's (`vllm:e2e_request_latency_seconds` less vLLM's
+TTFT: when its output handler read the first and the last token), the worker's frames
+(`nats_worker_inter_token_latency_seconds`; none behind vllm serve) and the load's own (streams
+÷ tok/s). An engine core slow per token is slow for everyone; a pace the engine does not show is
+the clients' (output handling, frames, the frontend).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ QUEUE = "vllm:request_queue_time_seconds"
 PREFILL = "vllm:request_prefill_time_seconds"
 DECODE = "vllm:request_decode_time_seconds"
 GENERATED = "vllm:request_generation_tokens"
-GAP = "vllm:inter_token_latency_seconds"
-HISTOGRAMS = (WORKER_TTFT, VLLM_TTFT, QUEUE, PREFILL, DECODE, GENERATED, GAP)
+E2E = "vllm:e2e_request_latency_seconds"
+FRAME_GAP = "nats_worker_inter_token_latency_seconds"
+HISTOGRAMS = (WORKER_TTFT, VLLM_TTFT, QUEUE, PREFILL, DECODE, GENERATED, E2E, FRAME_GAP)
 
 STRETCHES = (
     "engine core: waiting",
@@ -101,7 +103,8 @@ def render(rows: dict[str, list[float]]) -> str:
 
 PACE = (
     "engine core: decode per output token",
-    "vLLM's client: gap between tokens",
+    "vLLM's client loop: per output token",
+    "the worker's frames: gap per token",
     "the load: per token and stream",
 )
 
@@ -109,12 +112,15 @@ PACE = (
 def after_first(
     histogram_means: dict[str, float], streams: int, tokens_per_s: float
 ) -> list[float]:
-    """The three paces of PACE (s per token), in order. The decode histogram's mean is per
-    request, as is the generated-token histogram's, so their ratio less the first token is the
-    engine's mean time per later token."""
+    """The four paces of PACE (s per token), in order. The decode, end-to-end, TTFT and
+    generated-token histograms are per request, so their means over the tokens after the first
+    are per later token."""
     later = histogram_means[GENERATED] - 1
-    decode = histogram_means[DECODE] / later if later > 0 else float("nan")
-    return [decode, histogram_means[GAP], streams / tokens_per_s]
+    if not later > 0:
+        later = float("nan")
+    decode = histogram_means[DECODE] / later
+    client = (histogram_means[E2E] - histogram_means[VLLM_TTFT]) / later
+    return [decode, client, histogram_means[FRAME_GAP], streams / tokens_per_s]
 
 
 def render_pace(rows: dict[str, list[float]]) -> str:

@@ -72,7 +72,8 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
         first_token.PREFILL: 0.4,
         first_token.DECODE: 2.0,
         first_token.GENERATED: 404.0,
-        first_token.GAP: 0.02,
+        first_token.E2E: 4.0,
+        first_token.FRAME_GAP: 0.02,
     }
     after = {
         **{f"{name}_sum": 1.0 + added[name] for name in names},
@@ -87,7 +88,8 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
             first_token.PREFILL: 0.1,
             first_token.DECODE: 0.5,
             first_token.GENERATED: 101.0,
-            first_token.GAP: 0.005,
+            first_token.E2E: 1.0,
+            first_token.FRAME_GAP: 0.005,
         }
     )
     cut = first_token.stretches([0.5, 0.7], means)
@@ -102,24 +104,29 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
 def test_the_pace_after_the_first_token_is_per_later_token_and_the_worker_stretch_absent_is_0() -> (
     None
 ):
-    """bench.first_token.after_first: the engine's decode time per request over its tokens less
-    the first, vLLM's client-side gap, and the load's streams per tok/s; and vllm serve's own
-    /metrics (no worker histogram) put no time on the worker."""
+    """bench.first_token.after_first: the engine's decode time and vLLM's client loop's
+    (end-to-end less TTFT) per request over its tokens less the first, the worker's frame gap,
+    the load's streams per tok/s; and vllm serve's own /metrics (no worker histograms) put no
+    time on the worker."""
     from bench import first_token
 
     means = {
         first_token.DECODE: 0.5,
         first_token.GENERATED: 101.0,
-        first_token.GAP: 0.006,
+        first_token.E2E: 1.0,
+        first_token.FRAME_GAP: float("nan"),
         first_token.WORKER_TTFT: float("nan"),
         first_token.VLLM_TTFT: 0.3,
         first_token.QUEUE: 0.05,
         first_token.PREFILL: 0.1,
     }
     pace = first_token.after_first(means, streams=32, tokens_per_s=3200.0)
-    assert pace == pytest.approx([0.005, 0.006, 0.01])
+    assert pace[:2] == pytest.approx([0.005, 0.007])
+    assert math.isnan(pace[2])
+    assert pace[3] == pytest.approx(0.01)
     printed = first_token.render_pace({"off": pace})
     assert "engine core: decode per output token | 5.00 ms" in printed
+    assert "vLLM's client loop: per output token | 7.00 ms" in printed
     assert "the load: per token and stream | 10.00 ms" in printed
     cut = first_token.stretches([0.5], means)
     assert cut == pytest.approx([0.05, 0.1, 0.15, 0.0, 0.2])
