@@ -7,9 +7,11 @@ change of their `_sum` and `_count` over one run (means subtract; percentiles wo
 - vLLM's client loop: `vllm:time_to_first_token_seconds` less the two above (the request's way
   into the engine core, and the first token's way back through vLLM's output handler, which
   waits behind every other request's outputs of the steps before);
-- the worker: `nats_worker_time_to_first_token_seconds` (from the message's arrival at the
-  worker to the first token's frame) less vLLM's own TTFT (decoding and admission before
-  `add_request`, and the hand-over of the first output to the request's session);
+- the worker, waiting for its turn: `nats_worker_admission_wait_seconds` (from the message's
+  arrival at the worker to its request task's first step: the event loop's work queued ahead);
+- the worker, the rest: `nats_worker_time_to_first_token_seconds` (arrival to the first token's
+  frame) less vLLM's own TTFT and the wait above (decoding and admission before `add_request`,
+  and the hand-over of the first output to the request's session);
 - NATS and the caller: the load process's TTFT less the worker's (the request's publication
   and delivery, the worker's intake reading it, the frame's way back; with the OpenAI stack,
   the frontend's HTTP and SSE work as well).
@@ -42,15 +44,17 @@ QUEUE = "vllm:request_queue_time_seconds"
 PREFILL = "vllm:request_prefill_time_seconds"
 DECODE = "vllm:request_decode_time_seconds"
 GENERATED = "vllm:request_generation_tokens"
+ADMISSION = "nats_worker_admission_wait_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 FRAME_GAP = "nats_worker_inter_token_latency_seconds"
-HISTOGRAMS = (WORKER_TTFT, VLLM_TTFT, QUEUE, PREFILL, DECODE, GENERATED, E2E, FRAME_GAP)
+HISTOGRAMS = (WORKER_TTFT, ADMISSION, VLLM_TTFT, QUEUE, PREFILL, DECODE, GENERATED, E2E, FRAME_GAP)
 
 STRETCHES = (
     "engine core: waiting",
     "engine core: scheduled to first token",
     "vLLM's client loop (in, and the output handler out)",
-    "the worker (arrival to add_request, output to frame)",
+    "the worker: waiting for its turn (arrival to the request's task)",
+    "the worker: the rest (to add_request, output to frame)",
     "NATS and the caller (intake, frame delivery, frontend)",
 )
 
@@ -76,14 +80,17 @@ def means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 
 
 def stretches(client_ttft_s: Sequence[float], histogram_means: dict[str, float]) -> list[float]:
-    """The five stretches (s) of STRETCHES, in order, for a run whose load process saw these
+    """The six stretches (s) of STRETCHES, in order, for a run whose load process saw these
     TTFTs; they add up to the run's mean TTFT."""
     client = sum(client_ttft_s) / len(client_ttft_s) if client_ttft_s else float("nan")
     queue, prefill = histogram_means[QUEUE], histogram_means[PREFILL]
     vllm, worker = histogram_means[VLLM_TTFT], histogram_means[WORKER_TTFT]
+    wait = histogram_means[ADMISSION]
     if worker != worker:  # NaN: no worker in front (vllm serve's own /metrics)
-        worker = vllm
-    return [queue, prefill, vllm - queue - prefill, worker - vllm, client - worker]
+        worker, wait = vllm, 0.0
+    if wait != wait:  # a worker without the histogram: all of its stretch is "the rest"
+        wait = 0.0
+    return [queue, prefill, vllm - queue - prefill, wait, worker - vllm - wait, client - worker]
 
 
 def render(rows: dict[str, list[float]]) -> str:

@@ -70,6 +70,14 @@ class WorkerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=registry,
         ).labels(model_name)
+        self.admission_wait = Histogram(
+            "nats_worker_admission_wait_seconds",
+            "From the request's arrival to its task's first step: the event loop's work queued "
+            "ahead of it (other requests' outputs and frames).",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
         self.inter_token_latency = Histogram(
             "nats_worker_inter_token_latency_seconds",
             "Time between consecutive token frames of a choice, per token.",
@@ -100,6 +108,9 @@ class WorkerMetrics:
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
+
+    def admitted(self, seconds: float) -> None:
+        self.admission_wait.observe(seconds)
 
     def finished(self, outcomes: Iterable[str]) -> None:
         """A request ended: one increment per outcome (each choice's finish reason, or the one

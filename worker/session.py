@@ -142,6 +142,8 @@ class RequestSession:
 
     async def run(self) -> Outcome:
         """Serves the request to its end. Re-raises EngineDead after answering the client."""
+        if self.metrics is not None:
+            self.metrics.admitted(time.monotonic() - self.outcome.started)
         try:
             await self._stream()
             open_choices = [i for i, r in enumerate(self.outcome.finish_reasons) if r is None]

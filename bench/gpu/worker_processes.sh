@@ -77,7 +77,7 @@ load() {  # load <label> [worker_processes args]: one bench run per concurrency 
     echo "bench exit $?"
     cp "bench/out/side_$l.json" "$OUT/" 2>/dev/null
     tail -4 "$OUT/side-$l.txt"
-    grep -A9 "where the first token waits" "$OUT/side-$l.txt"
+    grep -A10 "where the first token waits" "$OUT/side-$l.txt"
     grep -A5 "after the first token" "$OUT/side-$l.txt"
   done
 }

@@ -59,7 +59,7 @@ def test_rounds_pair_each_side_with_its_baseline_in_the_rounds_it_ran(
 
 def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms() -> None:
     """bench.first_token: the means of two snapshots' histogram deltas, and the caller's mean
-    TTFT cut into the five stretches, which add up to it."""
+    TTFT cut into the six stretches, which add up to it."""
     from bench import first_token
 
     names = first_token.HISTOGRAMS
@@ -67,6 +67,7 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
     # 4 observations each: worker 0.4 s, vLLM 0.3 s, queue 0.05 s, prefill 0.1 s on average.
     added = {
         first_token.WORKER_TTFT: 1.6,
+        first_token.ADMISSION: 0.16,
         first_token.VLLM_TTFT: 1.2,
         first_token.QUEUE: 0.2,
         first_token.PREFILL: 0.4,
@@ -83,6 +84,7 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
     assert means == pytest.approx(
         {
             first_token.WORKER_TTFT: 0.4,
+            first_token.ADMISSION: 0.04,
             first_token.VLLM_TTFT: 0.3,
             first_token.QUEUE: 0.05,
             first_token.PREFILL: 0.1,
@@ -93,7 +95,7 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
         }
     )
     cut = first_token.stretches([0.5, 0.7], means)
-    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.1, 0.2])
+    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.04, 0.06, 0.2])
     assert sum(cut) == pytest.approx(0.6)
     printed = first_token.render({"off": cut})
     assert "NATS and the caller (intake, frame delivery, frontend) | 200 ms (33%)" in printed
@@ -116,6 +118,7 @@ def test_the_pace_after_the_first_token_is_per_later_token_and_the_worker_stretc
         first_token.E2E: 1.0,
         first_token.FRAME_GAP: float("nan"),
         first_token.WORKER_TTFT: float("nan"),
+        first_token.ADMISSION: float("nan"),
         first_token.VLLM_TTFT: 0.3,
         first_token.QUEUE: 0.05,
         first_token.PREFILL: 0.1,
@@ -129,4 +132,4 @@ def test_the_pace_after_the_first_token_is_per_later_token_and_the_worker_stretc
     assert "vLLM's client loop: per output token | 7.00 ms" in printed
     assert "the load: per token and stream | 10.00 ms" in printed
     cut = first_token.stretches([0.5], means)
-    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.0, 0.2])
+    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.0, 0.0, 0.2])

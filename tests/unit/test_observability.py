@@ -45,6 +45,7 @@ def test_every_worker_metric_carries_the_model_name() -> None:
     metrics = WorkerMetrics(MODEL, registry)
     metrics.tokens(3, 0.03)
     metrics.first_token(0.1)
+    metrics.admitted(0.004)
     metrics.error("overloaded")
     metrics.finished(["overloaded"])
     metrics.in_flight.inc()
@@ -62,6 +63,7 @@ def test_every_worker_metric_carries_the_model_name() -> None:
         "nats_worker_in_flight_requests",
         "nats_worker_generated_tokens_total",
         "nats_worker_time_to_first_token_seconds_count",
+        "nats_worker_admission_wait_seconds_count",
         "nats_worker_inter_token_latency_seconds_count",
         "nats_worker_engine_alive",
         "nats_worker_nats_connected",

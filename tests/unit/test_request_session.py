@@ -334,6 +334,18 @@ async def test_time_to_first_token_counts_from_the_arrival() -> None:
     assert outcome.started == arrived
 
 
+async def test_the_admission_wait_counts_from_the_arrival_to_the_sessions_first_step() -> None:
+    metrics = WorkerMetrics("m", CollectorRegistry())
+    engine = ScriptedFakeEngine(steps(delta(0, [1], "length")))
+    arrived = time.monotonic() - 0.3
+    session, _ = session_on(engine, make_request("wait", PROMPT), metrics=metrics, arrived=arrived)
+    await session.run()
+    sample = metrics.registry.get_sample_value
+    labels = {"model_name": "m"}
+    assert sample("nats_worker_admission_wait_seconds_count", labels) == 1
+    assert 0.3 <= sample("nats_worker_admission_wait_seconds_sum", labels) < 5.0
+
+
 async def test_no_token_no_time_to_first_token() -> None:
     engine = ScriptedFakeEngine(then_raise=EngineFailure("at once"))
     session, _ = session_on(engine, make_request("none", PROMPT))
