@@ -18,7 +18,8 @@
 #   time, with `top` snapshots of every process; needs py-spy's wheel in .gpu/, carried with
 #   the call
 #   WORKER_ARGS="--stream-interval 4" FRONTEND_ARGS="--router queue" TAG=-si4: more worker or
-#   frontend flags, and a tag for the label
+#   frontend flags, and a tag for the label; SERVE_ARGS: more vllm serve flags (WORKER_ARGS
+#   reaches the worker only: an eager comparison passes --enforce-eager in both)
 #   PROFILE=core (SIDE=worker): py-spy on the engine core process instead, at PROFILE_LOGPROBS
 #   (default off), for where the engine's own loop spends its time without logprobs
 #   ROUTERS="kv queue" (SIDE=stack): one frontend per router mode in turn on the same worker
@@ -40,6 +41,7 @@ TAG=${TAG:-}
 read -r -a WORKER_ARGS <<< "${WORKER_ARGS:-}"
 read -r -a FRONTEND_ARGS <<< "${FRONTEND_ARGS:-}"
 read -r -a CEILING_ARGS <<< "${CEILING_ARGS:-}"
+read -r -a SERVE_ARGS <<< "${SERVE_ARGS:-}"
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
@@ -118,8 +120,8 @@ case "$SIDE" in
   serve)
     label=serve$API$TAG$ROUND
     # No access log line per request, as the frontend runs (--log-level warning).
-    vllm serve "$MODEL" "${ENGINE[@]}" --api-server-count "$API" --host 127.0.0.1 --port 8000 \
-      --disable-uvicorn-access-log > "$OUT/$label.log" 2>&1 &
+    vllm serve "$MODEL" "${ENGINE[@]}" "${SERVE_ARGS[@]}" --api-server-count "$API" \
+      --host 127.0.0.1 --port 8000 --disable-uvicorn-access-log > "$OUT/$label.log" 2>&1 &
     server=$!
     until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
       if ! kill -0 $server 2>/dev/null || [ $(( $(date +%s) - started )) -gt 420 ]; then
