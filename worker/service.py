@@ -27,6 +27,7 @@ from messages.embeddings import EmbedRequest
 from messages.errors import ErrorCode
 from messages.request import GenerateRequest
 from worker.config import WorkerConfig
+from worker.eager import start_eagerly
 from worker.embedding_session import EmbedSession
 from worker.engine.contract import Engine, EngineDead, InvalidRequest
 from worker.framing import FrameWriter
@@ -239,7 +240,9 @@ class RequestService:
                 await self._refuse(writer, delivery, decoded.request_id, *refusal)
             return refusal[0]
         session = self._session(decoded, writer, delivery)
-        task = asyncio.create_task(self._serve(session, delivery))
+        # Admission first: the request reaches the engine in this turn, ahead of the other
+        # streams' output work already queued in the event loop (worker/eager.py).
+        task = start_eagerly(self._serve(session, delivery))
         entry = InFlight(session, task, delivery.reply)
         delivery.reply.watch(functools.partial(self._client_gone, entry))
         if decoded.timeout_ms is not None:

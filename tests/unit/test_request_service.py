@@ -802,3 +802,24 @@ async def test_a_split_that_fails_halfway_leaves_no_gap_before_the_error_frame()
         service, delivery(make_request("gap", PROMPT, max_tokens=2, logprobs=20), reply=reply)
     )
     assert [m["seq"] for m in wire(reply)] == list(range(len(reply.published)))
+
+
+async def test_a_request_reaches_the_engine_before_accept_returns() -> None:
+    """Admission first (worker/eager.py): the request's task runs up to its first wait inside
+    `accept`, so the engine has it before the event loop runs anything already queued (other
+    streams' frames); it then streams as ever."""
+    engine = ScriptedFakeEngine(
+        [EngineStep(None, [ChoiceDelta(0, [7], None, None, finish_reason="length")])], step_s=0.05
+    )
+    service = service_on(engine)
+    reply = MemoryReply()
+    queued_first: list[int] = []
+    asyncio.get_running_loop().call_soon(lambda: queued_first.append(len(engine.requests)))
+    running = await service.accept(delivery(make_request("early", PROMPT), reply=reply))
+    assert [request.request_id for request, _ in engine.requests] == ["early"]
+    assert isinstance(running, asyncio.Task)
+    outcome = await asyncio.wait_for(running, 10)
+    assert queued_first == [1], "the engine had the request before queued work ran"
+    assert outcome.finish_reasons == ["length"]
+    assert [f["token_ids"] for f in wire(reply)] == [[7]]
+    assert service.in_flight == 0
