@@ -11,21 +11,27 @@ ahead of that output work.
 
 Python 3.12's `asyncio.eager_task_factory` does this, but the project runs on 3.10+; this is the
 same idea with the public coroutine protocol only (`send`, `throw`), one code path on every
-version. What differs from a task's own first step: during it, `asyncio.current_task()` is the
-caller's task (nothing on the request path reads it), and it runs in a copy of the caller's
-context, which the task then keeps.
+version: the task is handed the begun coroutine behind a wrapper whose first `send` gives back
+what the first step yielded, so the task itself waits on that future, cancels it and checks it
+as if the coroutine had yielded it in the task's own step. What differs from a task's own first
+step: during it, `asyncio.current_task()` is the caller's task (an `asyncio.timeout` or
+`TaskGroup` entered there would act on the caller; nothing on the request path does, checked in
+worker/service.py `_serve`, worker/session.py `RequestSession.run`, the vLLM adapter's
+`generate` and vLLM 0.32's `AsyncLLM.generate` and `add_request`), and it runs in a copy of the
+caller's context, which the task then keeps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
-import inspect
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+_TAKEN = object()
+"""`_Begun._first` once the task has had it."""
 
 
 def start_eagerly(coro: Coroutine[Any, Any, T], *, name: str | None = None) -> asyncio.Task[T]:
@@ -38,9 +44,7 @@ def start_eagerly(coro: Coroutine[Any, Any, T], *, name: str | None = None) -> a
         return _task_in(context, _value(stop.value), name)
     except BaseException as error:  # CancelledError too: the task then ends cancelled
         return _task_in(context, _raise(error), name)
-    task = _task_in(context, _go_on(coro, waiting_on), name)
-    task.add_done_callback(lambda _: _cancel_if_left(coro, context))
-    return task
+    return _task_in(context, _Begun(coro, waiting_on), name)
 
 
 def _task_in(
@@ -50,56 +54,54 @@ def _task_in(
     return context.run(asyncio.create_task, coro, name=name)
 
 
-async def _go_on(coro: Coroutine[Any, Any, T], waiting_on: Any) -> T:
-    """Drives a started coroutine as its task would: waits until what it yielded (a future, or
-    None for one pass of the loop) is done and resumes it; a cancellation of this task cancels
-    that future and is thrown into the coroutine, where it surfaces at its await.
+class _Begun(Coroutine[Any, Any, T]):
+    """`coro` past its first step, for a task to drive. The first `send` returns what that step
+    yielded (a future still marked as awaited, or None for a bare yield), so the task waits on
+    it, resets it and cancels it (with the message) itself; a task cancelled before its first
+    step cancels that future, and the coroutine meets the cancellation at its own await."""
 
-    The future is waited on through a future of this task's own: the coroutine's await has
-    already marked it as handed to a task, and awaiting it a second time would fail."""
-    loop = asyncio.get_running_loop()
-    while True:
-        cancelled: asyncio.CancelledError | None = None
-        try:
-            if waiting_on is None:
-                await asyncio.sleep(0)
-            else:
-                woken = loop.create_future()
-                waiting_on.add_done_callback(functools.partial(_wake, woken))
-                try:
-                    await woken
-                except asyncio.CancelledError:
-                    waiting_on.cancel()
-                    raise
-        except asyncio.CancelledError as error:
-            cancelled = error
-        try:
-            waiting_on = coro.send(None) if cancelled is None else coro.throw(cancelled)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+    __slots__ = ("_coro", "_first")
 
+    def __init__(self, coro: Coroutine[Any, Any, T], first: Any) -> None:
+        self._coro = coro
+        self._first = first
 
-def _wake(woken: asyncio.Future[None], _: Any) -> None:
-    if not woken.done():
-        woken.set_result(None)
+    def send(self, value: Any) -> Any:
+        first, self._first = self._first, _TAKEN
+        if first is not _TAKEN:
+            return first
+        return self._coro.send(value)
 
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        first, self._first = self._first, _TAKEN
+        if (
+            first is not _TAKEN
+            and isinstance(typ, asyncio.CancelledError)
+            and asyncio.isfuture(first)
+            and first.cancel(*typ.args[:1])
+        ):
+            return first
+        if val is None and tb is None:
+            return self._coro.throw(typ)
+        return self._coro.throw(typ, val, tb)
 
-def _cancel_if_left(coro: Coroutine[Any, Any, Any], context: contextvars.Context) -> None:
-    """A task cancelled before its first step never resumed the coroutine, which had already
-    begun (a request admitted to the engine): it gets the cancellation now, in a task of its
-    own, so its own clean-up (the engine's abort) runs."""
-    if inspect.getcoroutinestate(coro) != inspect.CORO_SUSPENDED:
-        return
-    try:
-        waiting_on = context.run(coro.throw, asyncio.CancelledError())
-    except BaseException:  # StopIteration or the cancellation itself: it ended
-        return
-    _task_in(context, _go_on(coro, waiting_on)).add_done_callback(_ignore_outcome)
+    def close(self) -> None:
+        self._first = _TAKEN
+        self._coro.close()
 
+    def __await__(self) -> Generator[Any, None, T]:
+        return self
 
-def _ignore_outcome(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: its cancellation already ended the caller's task
+    def __iter__(self) -> _Begun[T]:
+        return self
+
+    def __next__(self) -> Any:
+        # Python 3.12's C task sends None through tp_iternext.
+        return self.send(None)
+
+    def __getattr__(self, name: str) -> Any:
+        # cr_frame, cr_code, __qualname__: what a task's repr and debugging read.
+        return getattr(self._coro, name)
 
 
 async def _value(value: T) -> T:

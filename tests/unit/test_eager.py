@@ -118,24 +118,68 @@ async def test_cancelling_the_task_cancels_the_coroutine_where_it_waits() -> Non
     assert cleaned == ["aborted"]
 
 
-async def test_a_task_cancelled_before_its_first_step_still_cleans_up_the_begun_coroutine() -> None:
+async def test_a_task_cancelled_before_its_first_step_cancels_the_begun_coroutine_in_the_task() -> (
+    None
+):
     """The coroutine had already begun (admitted to the engine) when its task was cancelled,
-    before the task's own first step: its clean-up runs all the same."""
-    cleaned = asyncio.Event()
+    before the task's own first step: it meets the cancellation (with its message) at its own
+    await, inside the task, and what it then returns is the task's result (RequestSession.run
+    answers a cancel it asked for and returns its Outcome)."""
+    log: list[str] = []
 
-    async def request() -> None:
+    async def request() -> str:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError as error:
+            log.append(f"cancelled: {error.args[0]}")
+            await asyncio.sleep(0.01)  # the engine's abort, the cancel frame
+            log.append("frame sent")
+            return "outcome"
+        return "not cancelled"
+
+    task = start_eagerly(request())
+    task.cancel("client_gone")  # before the loop ran the task at all
+    assert await task == "outcome"
+    assert log == ["cancelled: client_gone", "frame sent"]
+
+
+async def test_a_cancelled_coroutine_resumes_only_after_the_task_it_awaits_has_ended() -> None:
+    """As with an ordinary task: the cancellation goes through the awaited child, and the
+    parent sees the child's own end (here its value: it swallowed the cancellation)."""
+    log: list[str] = []
+
+    async def child() -> str:
         try:
             await asyncio.sleep(10)
         except asyncio.CancelledError:
-            await asyncio.sleep(0)
-            cleaned.set()
-            raise
+            await asyncio.sleep(0.01)
+            log.append("child cleaned")
+        return "child value"
 
-    task = start_eagerly(request())
-    task.cancel()  # before the loop ran the task at all
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await asyncio.wait_for(cleaned.wait(), 2)
+    async def parent() -> None:
+        log.append(f"parent got {await asyncio.create_task(child())!r}")
+
+    task = start_eagerly(parent())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await task
+    assert log == ["child cleaned", "parent got 'child value'"]
+
+
+async def test_a_future_the_coroutine_waits_on_can_be_awaited_by_others_too() -> None:
+    loop = asyncio.get_running_loop()
+    shared: asyncio.Future[str] = loop.create_future()
+    got: list[str] = []
+
+    async def waits(who: str) -> None:
+        got.append(f"{who} {await shared}")
+
+    first = start_eagerly(waits("a"))
+    second = asyncio.create_task(waits("b"))
+    await asyncio.sleep(0.01)
+    shared.set_result("done")
+    await asyncio.gather(first, second)
+    assert sorted(got) == ["a done", "b done"]
 
 
 async def test_a_task_that_swallows_its_cancellation_goes_on() -> None:
