@@ -83,7 +83,9 @@ async def test_a_frontend_without_model_learns_models_and_health_from_discovery(
     from worker.frontend.app import FrontendSettings, create_app
 
     nc = await nats.connect(nats_server.url)
-    settings = FrontendSettings(health_timeout_s=0.5, discovery_refresh_s=0.2)
+    # A window wide enough that "the first answer, not the whole window" holds on a loaded CI
+    # host (a 0.5 s window once saw its first answer after 0.62 s there).
+    settings = FrontendSettings(health_timeout_s=2.0, discovery_refresh_s=0.2)
     app = create_app(settings, None, nc=nc)
     try:
         async with serving(app) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
@@ -93,7 +95,7 @@ async def test_a_frontend_without_model_learns_models_and_health_from_discovery(
             started = time.monotonic()
             health = await http.get("/health")
             assert health.status_code == 200, health.text
-            assert time.monotonic() - started < 0.45  # the first answer, not the whole window
+            assert time.monotonic() - started < 1.5  # the first answer, not the whole window
             cards: dict = {}
             deadline = time.monotonic() + 5  # learnt within a refresh (0.2 s + the window)
             while "fake-embed" not in cards and time.monotonic() < deadline:
@@ -101,8 +103,11 @@ async def test_a_frontend_without_model_learns_models_and_health_from_discovery(
                 await asyncio.sleep(0.1)
             assert cards["fake-embed"]["max_model_len"] == 512
             await worker.stop()
-            await asyncio.sleep(0.6)  # the catalog's next rounds
-            listed = {c["id"] for c in (await http.get("/v1/models")).json()["data"]}
+            deadline = time.monotonic() + 10  # the catalog's next rounds
+            listed = set(cards)
+            while "fake-embed" in listed and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                listed = {c["id"] for c in (await http.get("/v1/models")).json()["data"]}
             assert "fake-embed" not in listed
             gone = await http.post("/v1/embeddings", json={"model": "fake-embed", "input": [1]})
             assert gone.status_code == 404
