@@ -100,7 +100,10 @@ class _Begun(Coroutine[Any, Any, T]):
         return self.send(None)
 
     def __getattr__(self, name: str) -> Any:
-        # cr_frame, cr_code, __qualname__: what a task's repr and debugging read.
+        # cr_frame, cr_code, __qualname__: what a task's repr and debugging read. Its own
+        # slots unset (a copy being built) must not recurse through here.
+        if name in _Begun.__slots__:
+            raise AttributeError(name)
         return getattr(self._coro, name)
 
 
