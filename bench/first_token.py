@@ -34,6 +34,7 @@ the clients' (output handling, frames, the frontend).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from bench.common import scrape, table
@@ -86,9 +87,9 @@ def stretches(client_ttft_s: Sequence[float], histogram_means: dict[str, float])
     queue, prefill = histogram_means[QUEUE], histogram_means[PREFILL]
     vllm, worker = histogram_means[VLLM_TTFT], histogram_means[WORKER_TTFT]
     wait = histogram_means[ADMISSION]
-    if worker != worker:  # NaN: no worker in front (vllm serve's own /metrics)
+    if math.isnan(worker):  # no worker in front (vllm serve's own /metrics)
         worker, wait = vllm, 0.0
-    if wait != wait:  # a worker without the histogram: all of its stretch is "the rest"
+    if math.isnan(wait):  # a worker without the histogram: all of its stretch is "the rest"
         wait = 0.0
     return [queue, prefill, vllm - queue - prefill, wait, worker - vllm - wait, client - worker]
 

@@ -24,6 +24,7 @@ from tests.helpers import (
     complete_all,
     get_health,
     last_worker_line,
+    process_text,
     read_until,
     run_in_slices,
     scrape,
@@ -232,7 +233,7 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
             await asyncio.wait_for(watcher, 240)
         except asyncio.TimeoutError:
             tree = [
-                f"{p.pid} {p.status()} {' '.join(p.cmdline())[:120]}"
+                f"{p.pid} {process_text(p)[:120]}"
                 for p in psutil.Process(proc.pid).children(recursive=True)
             ]
             pytest.fail(
