@@ -296,6 +296,7 @@ def worker_config(args: argparse.Namespace, client_count: int = 1) -> WorkerConf
         config.instance_id = args.instance_id
     config.engine_id = getattr(args, "engine_id", None)  # set in a --worker-processes child
     config.kv_event_source = getattr(args, "client_index", 0) == 0
+    config.log_requests = bool(getattr(args, "enable_log_requests", False))  # vLLM's flag
     if args.mode == "jetstream":
         config.jetstream = jetstream_settings(args, config)
     return config

@@ -221,6 +221,10 @@ class WorkerConfig:
     """Operator cap on stop_conditions.max_tokens (None: the model's context length)."""
     health_interval_s: float = 5.0
     """How often the engine's health is checked; a dead engine ends the worker non-zero."""
+    log_requests: bool = False
+    """One INFO line per finished request (id, finish, tokens, frames, TTFT, total). Set by vLLM's
+    own `--enable-log-requests` (off by default, as in `vllm serve`); a request that ended in an
+    error is logged either way."""
     kv_events: bool = True
     """KV-aware routing (messages/kv.py): vLLM publishes its prefix-cache events, the worker
     republishes them on NATS, answers snapshots and reports its load every load_interval_s

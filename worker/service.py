@@ -361,6 +361,8 @@ class RequestService:
             stats.last_error = error
 
     def _log_outcome(self, outcome: Outcome, writer: FrameWriter) -> None:
+        if not (self.config.log_requests or outcome.error_code):
+            return
         elapsed = time.monotonic() - outcome.started
         ttft = f"{outcome.first_token_s * 1000:.1f}ms" if outcome.first_token_s is not None else "-"
         log.info(

@@ -119,6 +119,7 @@ async def cli_worker(
         str(INTERVAL),
         "--health-interval",
         "1",
+        "--enable-log-requests",  # vLLM's flag: the worker's per-request line (off by default)
         env=stats_env("1"),
     )
     lines: list[str] = []
@@ -538,7 +539,7 @@ async def test_engine_death_answers_in_flight_and_exits_non_zero(
     lines, output = cli_worker.lines, cli_worker.output
     assert "engine is dead: answering in-flight requests and exiting" in output
     assert last_worker_line(lines) == "vllm-nats-worker stopped (exit 1)"
-    assert "request cli-1 length tokens=5" in output  # one log line per request outcome
+    assert "request cli-1 length tokens=5" in output  # --enable-log-requests: one line each
     assert "request cli-2 invalid_request" in output
     assert "Passing raw prompts" not in output
     assert "--worker-processes auto: 1" in output  # no GPU: one process, as before "auto"

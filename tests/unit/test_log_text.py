@@ -52,23 +52,41 @@ class _Reply:
         pass
 
 
-@pytest.mark.parametrize("max_tokens", [2, 0], ids=["served", "refused"])
-async def test_a_hostile_request_id_reaches_the_log_as_one_escaped_line(
-    caplog: pytest.LogCaptureFixture, max_tokens: int
-) -> None:
-    caplog.set_level(logging.INFO)
-    service = RequestService(PacedFakeEngine(step_s=0.0), WorkerConfig(), max_payload=1 << 20)
-    reply = _Reply()
-    payload = MSGPACK.encode(make_request(HOSTILE, [1, 2, 3], max_tokens=max_tokens))
-    delivery = Delivery(payload, None, reply, "test.subject", time.monotonic_ns())
+async def _serve_one(request_id: str, max_tokens: int, config: WorkerConfig) -> None:
+    service = RequestService(PacedFakeEngine(step_s=0.0), config, max_payload=1 << 20)
+    payload = MSGPACK.encode(make_request(request_id, [1, 2, 3], max_tokens=max_tokens))
+    delivery = Delivery(payload, None, _Reply(), "test.subject", time.monotonic_ns())
     admitted = await service.accept(delivery)
     if isinstance(admitted, asyncio.Task):
         await admitted
     else:
         assert admitted == "invalid_request"  # max_tokens 0 is refused
+
+
+@pytest.mark.parametrize("max_tokens", [2, 0], ids=["served", "refused"])
+async def test_a_hostile_request_id_reaches_the_log_as_one_escaped_line(
+    caplog: pytest.LogCaptureFixture, max_tokens: int
+) -> None:
+    caplog.set_level(logging.INFO)
+    await _serve_one(HOSTILE, max_tokens, WorkerConfig(log_requests=True))
     lines = [r.getMessage() for r in caplog.records if "PUB x 1" in r.getMessage()]
     assert lines, [r.getMessage() for r in caplog.records]
     for line in lines:
         assert "\r" not in line and "\n" not in line and "\x00" not in line
         assert "\u202e" not in line and "\x1b" not in line
         assert loggable(HOSTILE) in line
+
+
+async def test_request_lines_follow_enable_log_requests_and_errors_are_always_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As `vllm serve`: no line per request unless --enable-log-requests (`log_requests`); a
+    request that ended in an error is logged either way."""
+    caplog.set_level(logging.INFO, logger="worker.service")
+    await _serve_one("quiet-1", 2, WorkerConfig())
+    await _serve_one("refused-1", 0, WorkerConfig())
+    await _serve_one("loud-1", 2, WorkerConfig(log_requests=True))
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "quiet-1" not in text
+    assert "request refused-1 invalid_request" in text
+    assert "request loud-1 length tokens=2 frames=" in text
