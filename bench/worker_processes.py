@@ -9,7 +9,7 @@ worker with N processes and the OpenAI stack, one at a time, and `--compare` pri
 
     python -m bench.worker_processes --nats-url URL --label n2 [--concurrency 256]
         [--logprobs off,5,20] [--max-tokens 128] [--requests-per-stream 2] [--repeats 3]
-        [--vocab 32000] [--metrics-url http://127.0.0.1:9090/metrics]
+        [--vocab 32000] [--metrics-url http://127.0.0.1:9090/metrics] [--warmup 1]
     python -m bench.worker_processes --label serve4 --openai-url http://127.0.0.1:8000/v1 --model M
     python -m bench.worker_processes --compare serve4,n1,n2,n4 --to ceiling,serve4
     python -m bench.worker_processes --compare stack44,n4 --to serve4 --rounds r1,r2,r3
@@ -45,6 +45,20 @@ async def measure(args: argparse.Namespace) -> None:
     if openai is None and not await wait_for_worker(client, 600):
         raise SystemExit(f"no worker answers on {args.nats_url}")
     load = LoadProcess(client, args.nats_url, args.subject, openai).start()
+    if args.warmup:
+        # Untimed, before the first setting: a side's first burst on a fresh host met one-off
+        # costs (the H100 rounds of 2026-12-07: TTFT p99 1.4 s in the first side's first
+        # setting only), which the first setting alone then carried.
+        warm, _ = await load.run(
+            prompt_count=256,
+            prompt_len=32,
+            vocab=args.vocab,
+            concurrency=args.concurrency,
+            requests_per_stream=args.warmup,
+            max_tokens=16,
+            logprobs=None,
+        )
+        print(f"{args.label} warm-up: TTFT p99 {warm.ttft_ms(99):.0f} ms (not counted)", flush=True)
     results = []
     waits: dict[str, list[float]] = {}
     paces: dict[str, list[float]] = {}
@@ -186,6 +200,12 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed requests per stream (16 tokens, no logprobs) before the first setting",
+    )
     parser.add_argument("--openai-url", help="load this OpenAI server (vllm serve) instead")
     parser.add_argument("--model", help="with --openai-url: the model name it serves")
     parser.add_argument(
