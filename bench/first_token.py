@@ -12,15 +12,21 @@ change of their `_sum` and `_count` over one run (means subtract; percentiles wo
 - the worker, the rest: `nats_worker_time_to_first_token_seconds` (arrival to the first token's
   frame) less vLLM's own TTFT and the wait above (decoding and admission before `add_request`,
   and the hand-over of the first output to the request's session);
-- NATS and the caller: the load process's TTFT less the worker's (the request's publication
-  and delivery, the worker's intake reading it, the frame's way back; with the OpenAI stack,
-  the frontend's HTTP and SSE work as well).
+- the frontend and NATS: `nats_frontend_time_to_first_token_seconds` (the frontend's arrival of
+  the HTTP request to its first SSE event) less the worker's TTFT (the frontend's work before
+  it publishes, the request's and the first frame's ways over NATS, the frame to its SSE
+  event); 0 without a frontend;
+- the caller's side: the load process's TTFT less the frontend's, or without a frontend the
+  worker's (over NATS: the request's publication and delivery and the frame's way back; over
+  HTTP: the connection, the server's reading of the request before its app runs, and the load's
+  own loop).
 
 vLLM records the engine-core stretches when a request finishes and its TTFT at the first token,
 so a run's means cover nearly, not exactly, the same requests; runs here end with every request
 finished. bench.worker_processes prints this table with `--metrics-url` (the worker's
-`--metrics-port`, or `vllm serve`'s own /metrics: it has no worker histogram, so its worker
-stretch is 0 and "NATS and the caller" is its HTTP side).
+`--metrics-port`, and the frontend's /metrics after a comma for the OpenAI stack; or `vllm
+serve`'s own /metrics: it has no worker histogram, so its worker stretch is 0 and the caller's
+side is its HTTP side).
 
 After the first token, the same snapshots say who sets the pace of a stream (`after_first`),
 per later token (each request's generated tokens less its first): the engine core's
@@ -48,7 +54,19 @@ GENERATED = "vllm:request_generation_tokens"
 ADMISSION = "nats_worker_admission_wait_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 FRAME_GAP = "nats_worker_inter_token_latency_seconds"
-HISTOGRAMS = (WORKER_TTFT, ADMISSION, VLLM_TTFT, QUEUE, PREFILL, DECODE, GENERATED, E2E, FRAME_GAP)
+FRONTEND_TTFT = "nats_frontend_time_to_first_token_seconds"
+HISTOGRAMS = (
+    WORKER_TTFT,
+    ADMISSION,
+    VLLM_TTFT,
+    QUEUE,
+    PREFILL,
+    DECODE,
+    GENERATED,
+    E2E,
+    FRAME_GAP,
+    FRONTEND_TTFT,
+)
 
 STRETCHES = (
     "engine core: waiting",
@@ -56,13 +74,18 @@ STRETCHES = (
     "vLLM's client loop (in, and the output handler out)",
     "the worker: waiting for its turn (arrival to the request's task)",
     "the worker: the rest (to add_request, output to frame)",
-    "NATS and the caller (intake, frame delivery, frontend)",
+    "the frontend and NATS (its arrival to its first SSE event, less the worker's)",
+    "the caller's side (NATS or HTTP, and the load's loop)",
 )
 
 
-def snapshot(url: str) -> dict[str, float]:
-    """The `_sum` and `_count` of each histogram the breakdown reads (0 where absent)."""
-    sums = scrape(url)
+def snapshot(urls: str) -> dict[str, float]:
+    """The `_sum` and `_count` of each histogram the breakdown reads, from one /metrics URL or
+    several joined by commas (the worker's and the frontend's); 0 where absent."""
+    sums: dict[str, float] = {}
+    for url in urls.split(","):
+        for name, value in scrape(url).items():
+            sums[name] = sums.get(name, 0.0) + value
     return {
         f"{name}{part}": sums.get(f"{name}{part}", 0.0)
         for name in HISTOGRAMS
@@ -81,7 +104,7 @@ def means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 
 
 def stretches(client_ttft_s: Sequence[float], histogram_means: dict[str, float]) -> list[float]:
-    """The six stretches (s) of STRETCHES, in order, for a run whose load process saw these
+    """The seven stretches (s) of STRETCHES, in order, for a run whose load process saw these
     TTFTs; they add up to the run's mean TTFT."""
     client = sum(client_ttft_s) / len(client_ttft_s) if client_ttft_s else float("nan")
     queue, prefill = histogram_means[QUEUE], histogram_means[PREFILL]
@@ -91,7 +114,18 @@ def stretches(client_ttft_s: Sequence[float], histogram_means: dict[str, float])
         worker, wait = vllm, 0.0
     if math.isnan(wait):  # a worker without the histogram: all of its stretch is "the rest"
         wait = 0.0
-    return [queue, prefill, vllm - queue - prefill, wait, worker - vllm - wait, client - worker]
+    frontend = histogram_means[FRONTEND_TTFT]
+    if math.isnan(frontend):  # no frontend in front (loaded over NATS, or vllm serve)
+        frontend = worker
+    return [
+        queue,
+        prefill,
+        vllm - queue - prefill,
+        wait,
+        worker - vllm - wait,
+        frontend - worker,
+        client - frontend,
+    ]
 
 
 def render(rows: dict[str, list[float]]) -> str:

@@ -190,7 +190,10 @@ case "$SIDE" in
       # profile-<label>-0.txt: one frontend process (of P, reached through SO_REUSEPORT like
       # the others); -1: the worker's process 0.
       [ "${PROFILE:-0}" = 1 ] && profiled "$flabel" "$(child $frontend)" "$(child $worker)" -- off "${openai[@]}"
-      load "$flabel" "${openai[@]}" "${WAITS[@]}"
+      # The frontend's /metrics after the worker's: its first-SSE-event histogram splits the
+      # frontend and NATS from the caller's side in the first-token table.
+      stack_waits=(); [ ${#WAITS[@]} -gt 0 ] && stack_waits=(--metrics-url "${WAITS[1]},http://127.0.0.1:8000/metrics")
+      load "$flabel" "${openai[@]}" "${stack_waits[@]}"
       python3 -m bench.worker_stats
       # The router's picture (one frontend process's, the one that answers): routed-<label>.txt
       curl -s http://127.0.0.1:8000/metrics | grep -E "^nats_frontend_rout" > "$OUT/routed-$flabel.txt"

@@ -340,8 +340,17 @@ async def test_health_and_version(base) -> None:
 
 async def test_metrics_count_the_frontends_requests(base, tiny_model, worker) -> None:
     await api(base).completions.create(model=str(tiny_model), prompt="Hi", max_tokens=2)
+    stream = await api(base).completions.create(
+        model=str(tiny_model), prompt="Hi", max_tokens=2, stream=True
+    )
+    assert [chunk async for chunk in stream]
     async with httpx.AsyncClient(timeout=10) as http:
         text = (await http.get(base + "/metrics")).text
+    assert re.search(
+        r'^nats_frontend_time_to_first_token_seconds_count\{route="/v1/completions"\} [1-9]',
+        text,
+        re.M,
+    ), text
     assert re.search(
         r'^nats_frontend_requests_total\{route="/v1/completions",status="200"\} [1-9]', text, re.M
     ), text

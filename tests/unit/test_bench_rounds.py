@@ -59,7 +59,8 @@ def test_rounds_pair_each_side_with_its_baseline_in_the_rounds_it_ran(
 
 def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms() -> None:
     """bench.first_token: the means of two snapshots' histogram deltas, and the caller's mean
-    TTFT cut into the six stretches, which add up to it."""
+    TTFT cut into the seven stretches, which add up to it; without the frontend's histogram
+    (loaded over NATS) the frontend's stretch is 0 and the caller's side is the rest."""
     from bench import first_token
 
     names = first_token.HISTOGRAMS
@@ -75,6 +76,7 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
         first_token.GENERATED: 404.0,
         first_token.E2E: 4.0,
         first_token.FRAME_GAP: 0.02,
+        first_token.FRONTEND_TTFT: 2.0,
     }
     after = {
         **{f"{name}_sum": 1.0 + added[name] for name in names},
@@ -92,14 +94,21 @@ def test_the_first_token_breakdown_cuts_the_callers_mean_ttft_by_the_histograms(
             first_token.GENERATED: 101.0,
             first_token.E2E: 1.0,
             first_token.FRAME_GAP: 0.005,
+            first_token.FRONTEND_TTFT: 0.5,
         }
     )
     cut = first_token.stretches([0.5, 0.7], means)
-    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.04, 0.06, 0.2])
+    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.04, 0.06, 0.1, 0.1])
     assert sum(cut) == pytest.approx(0.6)
     printed = first_token.render({"off": cut})
-    assert "NATS and the caller (intake, frame delivery, frontend) | 200 ms (33%)" in printed
+    assert (
+        "the frontend and NATS (its arrival to its first SSE event, less the worker's) | "
+        "100 ms (17%)"
+    ) in printed
+    assert "the caller's side (NATS or HTTP, and the load's loop) | 100 ms (17%)" in printed
     assert "mean TTFT | 600 ms" in printed
+    over_nats = first_token.stretches([0.5, 0.7], {**means, first_token.FRONTEND_TTFT: math.nan})
+    assert over_nats == pytest.approx([0.05, 0.1, 0.15, 0.04, 0.06, 0.0, 0.2])
     assert math.isnan(first_token.means(before, before)[first_token.QUEUE]), "none observed"
 
 
@@ -122,6 +131,7 @@ def test_the_pace_after_the_first_token_is_per_later_token_and_the_worker_stretc
         first_token.VLLM_TTFT: 0.3,
         first_token.QUEUE: 0.05,
         first_token.PREFILL: 0.1,
+        first_token.FRONTEND_TTFT: float("nan"),
     }
     pace = first_token.after_first(means, streams=32, tokens_per_s=3200.0)
     assert pace[:2] == pytest.approx([0.005, 0.007])
@@ -132,4 +142,4 @@ def test_the_pace_after_the_first_token_is_per_later_token_and_the_worker_stretc
     assert "vLLM's client loop: per output token | 7.00 ms" in printed
     assert "the load: per token and stream | 10.00 ms" in printed
     cut = first_token.stretches([0.5], means)
-    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.0, 0.0, 0.2])
+    assert cut == pytest.approx([0.05, 0.1, 0.15, 0.0, 0.0, 0.0, 0.2])

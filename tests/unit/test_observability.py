@@ -181,3 +181,42 @@ def test_routed_series_are_bounded_however_many_engines_come_and_go() -> None:
         for sample in family.samples
     }
     assert len(labels) == MAX_ENGINE_LABELS + 2  # the engines, "other", "queue"
+
+
+async def test_the_frontends_first_token_time_is_a_streamed_responses_first_body_bytes() -> None:
+    """The Gate observes `nats_frontend_time_to_first_token_seconds` once per streamed (SSE)
+    response, at its first non-empty body message (an empty one, as the ASGI server may send,
+    is not the first event); a JSON response is not observed."""
+    import asyncio
+    from typing import Any
+
+    from worker.frontend.gate import Gate
+    from worker.frontend.metrics import FrontendMetrics
+    from worker.frontend.settings import FrontendSettings
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        streamed = scope["path"] == "/v1/completions"
+        kind = b"text/event-stream; charset=utf-8" if streamed else b"application/json"
+        headers = [(b"content-type", kind)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": True})
+        await asyncio.sleep(0.05)  # the first frame's wait
+        for chunk in (b"data: 1\n\n", b"data: 2\n\n"):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    metrics = FrontendMetrics()
+    gate = Gate(app, FrontendSettings(), metrics)
+    for path in ("/v1/completions", "/v1/models"):
+        await gate({"type": "http", "path": path, "headers": []}, receive, send)
+    value = metrics.registry.get_sample_value
+    name = "nats_frontend_time_to_first_token_seconds"
+    assert value(f"{name}_count", {"route": "/v1/completions"}) == 1
+    assert 0.05 <= value(f"{name}_sum", {"route": "/v1/completions"}) < 5
+    assert value(f"{name}_count", {"route": "/v1/models"}) is None

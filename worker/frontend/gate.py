@@ -1,7 +1,8 @@
 """Gate: the ASGI middleware in front of every route. With an API key, nothing under `/v1`
 runs without it (401 before any route; the other routes stay open, as in vLLM's server); every
-HTTP request is counted in the metrics (status, duration to the end of its body, in flight).
-Pure ASGI, not BaseHTTPMiddleware, so streams and disconnect polling pass through untouched."""
+HTTP request is counted in the metrics (status, duration to the end of its body, in flight; a
+streamed one also its time to the first body bytes, the first SSE event). Pure ASGI, not
+BaseHTTPMiddleware, so streams and disconnect polling pass through untouched."""
 
 from __future__ import annotations
 
@@ -35,11 +36,19 @@ class Gate:
         route = route_label(scope["path"])
         started = time.monotonic()
         status = 500  # unless a response starts
+        awaiting_first_event = False  # a streamed response whose first body bytes are not out
 
         async def sending(message: Message) -> None:
-            nonlocal status
+            nonlocal status, awaiting_first_event
             if message["type"] == "http.response.start":
                 status = message["status"]
+                awaiting_first_event = any(
+                    name == b"content-type" and value.startswith(b"text/event-stream")
+                    for name, value in message.get("headers", ())
+                )
+            elif awaiting_first_event and message.get("body"):
+                awaiting_first_event = False
+                self.metrics.first_token.labels(route).observe(time.monotonic() - started)
             await send(message)
 
         self.metrics.in_flight.inc()

@@ -56,6 +56,14 @@ class FrontendMetrics:
             registry=self.registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
         )
+        self.first_token = Histogram(
+            "nats_frontend_time_to_first_token_seconds",
+            "HTTP request arrival to the first byte of a streamed (SSE) response body, which the "
+            "frontend sends once every prompt's first frame arrived",
+            ["route"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.in_flight = Gauge(
             "nats_frontend_in_flight_requests",
             "HTTP requests being answered",
