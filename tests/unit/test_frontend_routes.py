@@ -267,3 +267,36 @@ async def test_hostile_strings_in_the_frontends_log_lines_are_escaped(
         assert not any(c in line for c in "\r\n\x00\u202e")
         assert loggable(HOSTILE) in line
         assert "\\x0d\\x0aPUB x 1\\x0d\\x0a\\x00\\u202e" in line
+
+
+async def test_a_one_prompt_request_is_published_in_its_handlers_task(client: Any) -> None:
+    """The first token's way through the frontend takes no turn of the event loop that it need
+    not: the service dependency is a coroutine (FastAPI runs a plain function in its thread
+    pool), and one prompt's request is published in the handler's own task (a task of its own
+    would first wait behind every stream's frames); a batch's prompts still go out together."""
+    import asyncio
+    import inspect
+
+    from worker.frontend.routes.common import service_of
+
+    assert inspect.iscoroutinefunction(service_of)
+    app = app_of(answers(frame(WORLD), frame(BANG, finish="length")))
+    service = app.state.service
+    tasks: list[asyncio.Task[Any] | None] = []
+    publish = service.publish
+
+    def recording(model: ServedModel, request: GenerateRequest) -> Any:
+        tasks.append(asyncio.current_task())
+        return publish(model, request)
+
+    service.publish = recording
+    http = client(app)  # httpx's ASGI transport runs the app in the caller's task
+    for stream in (False, True):
+        answer = await http.post(
+            "/v1/completions", json={"model": "m", "prompt": "Hello", "stream": stream}
+        )
+        assert answer.status_code == 200, answer.text
+    assert tasks == [asyncio.current_task()] * 2
+    batch = await http.post("/v1/completions", json={"model": "m", "prompt": ["Hello", "Hello"]})
+    assert batch.status_code == 200 and len(batch.json()["choices"]) == 2
+    assert len(tasks) == 4 and asyncio.current_task() not in tasks[2:]

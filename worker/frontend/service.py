@@ -18,7 +18,7 @@ import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
 
@@ -64,11 +64,21 @@ from worker.frontend.vllm_parsers import (
 from worker.shared.log_text import loggable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 IsDisconnected = Callable[[], Awaitable[bool]]
 """The HTTP request's `is_disconnected`."""
 
 Frames = AsyncGenerator[ResponseFrame, None]
+
+
+async def _settled(step: Awaitable[T]) -> T | Exception:
+    """What `asyncio.gather(..., return_exceptions=True)` gives for one awaitable, without a
+    task; a cancellation still propagates."""
+    try:
+        return await step
+    except Exception as error:
+        return error
 
 
 class FrontendService:
@@ -299,10 +309,16 @@ class FrontendService:
         whole response's (the first, in prompt order), and the others are cancelled."""
         watcher = asyncio.create_task(watch_disconnect(is_disconnected))
         try:
-            started = await asyncio.gather(
-                *(self.start_request(watcher, model, r) for r in requests),
-                return_exceptions=True,
-            )
+            started: list[FrameSource | BaseException]
+            if len(requests) == 1:
+                # One prompt (nearly every request) is started in this task: a task of its own
+                # would first wait a turn of the event loop, behind every stream's frames.
+                started = [await _settled(self.start_request(watcher, model, requests[0]))]
+            else:
+                started = await asyncio.gather(
+                    *(self.start_request(watcher, model, r) for r in requests),
+                    return_exceptions=True,
+                )
         except BaseException:
             watcher.cancel()
             raise

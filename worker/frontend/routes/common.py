@@ -16,7 +16,9 @@ from worker.frontend.schemas import SamplingFields
 from worker.frontend.service import FrontendService
 
 
-def service_of(request: Request) -> FrontendService:
+async def service_of(request: Request) -> FrontendService:
+    # async: FastAPI runs a plain function dependency in its thread pool, a thread hop and a
+    # turn of the event loop before every request's handler.
     service: FrontendService = request.app.state.service
     return service
 
