@@ -2,23 +2,47 @@
 # Several sides of bench/gpu/worker_processes.sh one after the other in one device call, each
 # alone on the GPU (the script stops what ran before), for alternating rounds within one lease:
 #   ROUND=r2 SIDES="serve1 serve4 stack" bash bench/gpu/rounds.sh
-# Sides: stack (the OpenAI stack with no process flags, N=auto P=auto), serveA (vllm serve
-# --api-server-count A), nN (the worker alone, --worker-processes N), ceiling (CEILING_ARGS
-# and TAG as worker_processes.sh reads them). REPEATS (default 1) and CONCURRENCIES (default
-# "256 32") apply to every side; each side's output goes to $OUT/<side>-<round>.txt and its
-# headline lines to stdout.
+# Sides: stack (the OpenAI stack with no process flags, N=auto P=auto), stacknokv (the same
+# with --no-kv-events and --router queue), serveA (vllm serve --api-server-count A), nN (the
+# worker alone, --worker-processes N), ceiling (CEILING_ARGS and TAG as worker_processes.sh
+# reads them). REPEATS (default 1) and CONCURRENCIES (default "256 32") apply to every side;
+# each side's output goes to $OUT/<side>-<round>.txt and its headline lines to stdout.
+# BUDGET_S (default 540, inside a device call's 600 s): a side runs under what is left of it
+# and is skipped with under a minute left, so the call always reaches the packing at the end.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export OUT REPEATS=${REPEATS:-1} CONCURRENCIES=${CONCURRENCIES:-256 32} ROUND=${ROUND:-}
+start=$(date +%s)
 for side in ${SIDES:?SIDES names the sides}; do
   case "$side" in
-    stack) env SIDE=stack N=auto P=auto bash bench/gpu/worker_processes.sh ;;
-    serve*) env SIDE=serve API="${side#serve}" bash bench/gpu/worker_processes.sh ;;
-    n*) env SIDE=worker N="${side#n}" bash bench/gpu/worker_processes.sh ;;
-    ceiling) env SIDE=ceiling bash bench/gpu/worker_processes.sh ;;
+    stack) vars=(SIDE=stack N=auto P=auto) ;;
+    # The stack at its defaults but with no KV events (the engine core's publisher thread
+    # off) and so the queue group: is the engine core's slower step beside the stack the events?
+    stacknokv) vars=(SIDE=stack N=auto P=auto TAG=-nokv WORKER_ARGS=--no-kv-events
+      "FRONTEND_ARGS=--router queue") ;;
+    serve*) vars=(SIDE=serve "API=${side#serve}") ;;
+    n*) vars=(SIDE=worker "N=${side#n}") ;;
+    ceiling) vars=(SIDE=ceiling) ;;
     *) echo "unknown side $side"; exit 2 ;;
-  esac > "$OUT/$side-${ROUND:-once}.txt" 2>&1
+  esac
+  left=$(( ${BUDGET_S:-540} - ($(date +%s) - start) ))
+  if [ "$left" -lt 60 ]; then echo "== $side ${ROUND:-}: skipped, ${left} s of the budget left"; continue; fi
+  timeout -k 10 "$left" env "${vars[@]}" bash bench/gpu/worker_processes.sh \
+    > "$OUT/$side-${ROUND:-once}.txt" 2>&1
+  code=$?
   echo "== $side ${ROUND:-}"
+  if [ "$code" = 124 ]; then
+    echo "stopped at the budget (${left} s)"
+    pkill -f "^python3 -m worker"; pkill -f "vllm serve"; pkill nats-server
+  fi
   grep -E "ready after| tok/s|did not|died|exit [1-9]" "$OUT/$side-${ROUND:-once}.txt"
   grep -A6 "after the first token" "$OUT/$side-${ROUND:-once}.txt" | grep -E "engine core: decode|client loop|worker's frames|the load"
 done
+# The device returns a few files per call: everything this call wrote under $OUT goes back as
+# one archive (PACK=0 leaves the files as they are).
+if [ "${PACK:-1}" = 1 ]; then
+  pack="rounds-${ROUND:-once}-$(date +%H%M%S).tgz"
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name '*.tgz' -printf '%P\n' | tar czf "$pack" -T - \
+    && find . -maxdepth 1 -type f ! -name '*.tgz' -delete)
+  echo "packed: $OUT/$pack"
+fi
