@@ -43,7 +43,11 @@ async def test_abandoned_streams_are_detected_and_aborted(fake_worker, client, c
     # 4 x 500 tokens per request with logprobs 5 at the fake's 10 ms a token (5 s), which
     # outlast several cycles.
     worker = await fake_worker(
-        subjects, liveness_interval_s=0.1, liveness_timeout_s=0.1, client_gone_grace_s=0.2
+        subjects,
+        liveness_interval_s=0.1,
+        liveness_timeout_s=0.1,
+        client_gone_grace_s=0.2,
+        log_requests=True,  # each request's outcome line (`--enable-log-requests`)
     )
     config = worker.config
     # A miss of the client's probe, a round probing each of its requests, misses spanning the
