@@ -26,6 +26,7 @@ import nats
 
 from bench import first_token
 from bench.common import OUT_DIR, median, table, write_json
+from bench.load import RunResult
 from bench.load_process import LoadProcess
 from worker.client import wait_for_worker
 
@@ -45,19 +46,24 @@ async def measure(args: argparse.Namespace) -> None:
     if openai is None and not await wait_for_worker(client, 600):
         raise SystemExit(f"no worker answers on {args.nats_url}")
     load = LoadProcess(client, args.nats_url, args.subject, openai).start()
-    if args.warmup:
-        # Untimed, before the first setting: a side's first burst on a fresh host met one-off
-        # costs (the H100 rounds of 2026-12-07: TTFT p99 1.4 s in the first side's first
-        # setting only), which the first setting alone then carried.
-        warm, _ = await load.run(
+
+    async def run(requests_per_stream: int, max_tokens: int, logprobs: int | None) -> RunResult:
+        result, _ = await load.run(
             prompt_count=256,
             prompt_len=32,
             vocab=args.vocab,
             concurrency=args.concurrency,
-            requests_per_stream=args.warmup,
-            max_tokens=16,
-            logprobs=None,
+            requests_per_stream=requests_per_stream,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
         )
+        return result
+
+    if args.warmup:
+        # Untimed, before the first setting: a side's first burst on a fresh host met one-off
+        # costs (the H100 rounds of 2026-12-07: TTFT p99 1.4 s in the first side's first
+        # setting only), which the first setting alone then carried.
+        warm = await run(args.warmup, 16, None)
         print(f"{args.label} warm-up: TTFT p99 {warm.ttft_ms(99):.0f} ms (not counted)", flush=True)
     results = []
     waits: dict[str, list[float]] = {}
@@ -67,16 +73,7 @@ async def measure(args: argparse.Namespace) -> None:
         runs = []
         before = first_token.snapshot(args.metrics_url) if args.metrics_url else None
         for _ in range(args.repeats):
-            result, _ = await load.run(
-                prompt_count=256,
-                prompt_len=32,
-                vocab=args.vocab,
-                concurrency=args.concurrency,
-                requests_per_stream=args.requests_per_stream,
-                max_tokens=args.max_tokens,
-                logprobs=logprobs,
-            )
-            runs.append(result)
+            runs.append(await run(args.requests_per_stream, args.max_tokens, logprobs))
         rates = [r.tokens_per_s for r in runs]
         if before is not None:
             histograms = first_token.means(before, first_token.snapshot(args.metrics_url))
