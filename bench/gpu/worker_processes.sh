@@ -74,9 +74,19 @@ load() {  # load <label> [worker_processes args]: one bench run per concurrency 
   local label=$1 c l; shift
   for c in ${CONCURRENCIES:-${CONCURRENCY:-256}}; do
     l=$label; [ "$c" != 256 ] && [ -z "${CONCURRENCY:-}" ] && l=${label%"$ROUND"}-c$c$ROUND
+    # The host's CPU while it runs (TOP=0: not): whether the engine core shares its cores
+    # with the side's other processes (the stack's engine core stepped slower than vllm
+    # serve's on 2026-12-07, with the same engine arguments).
+    local topper=
+    if [ "${TOP:-1}" = 1 ]; then
+      (top -b -d 5 -w 220 -c | grep --line-buffered -E "^top|^%Cpu|python|vllm|VLLM|nats-server" \
+        > "$OUT/top-$l.txt") &
+      topper=$!
+    fi
     timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.worker_processes --label "$l" \
       --repeats "$REPEATS" --concurrency "$c" "$@" > "$OUT/side-$l.txt" 2>&1
     echo "bench exit $?"
+    if [ -n "$topper" ]; then pkill -P "$topper"; wait "$topper" 2>/dev/null; fi
     cp "bench/out/side_$l.json" "$OUT/" 2>/dev/null
     tail -4 "$OUT/side-$l.txt"
     grep -A10 "where the first token waits" "$OUT/side-$l.txt"
