@@ -62,8 +62,11 @@ async def measure(args: argparse.Namespace) -> None:
     if args.warmup:
         # Untimed, before the first setting: a side's first burst on a fresh host met one-off
         # costs (the H100 rounds of 2026-12-07: TTFT p99 1.4 s in the first side's first
-        # setting only), which the first setting alone then carried.
-        warm = await run(args.warmup, 16, None)
+        # setting only), which the first setting alone then carried. With the largest logprobs
+        # asked, as vLLM compiles its logprobs ranking (`batched_count_greater_than`, a
+        # torch.compile) at an engine's first request that asks for logprobs.
+        asked = [int(level) for level in args.logprobs.split(",") if level != "off"]
+        warm = await run(args.warmup, 16, max(asked, default=None))
         print(f"{args.label} warm-up: TTFT p99 {warm.ttft_ms(99):.0f} ms (not counted)", flush=True)
     results = []
     waits: dict[str, list[float]] = {}
@@ -201,7 +204,8 @@ def main() -> None:
         "--warmup",
         type=int,
         default=1,
-        help="untimed requests per stream (16 tokens, no logprobs) before the first setting",
+        help="untimed requests per stream (16 tokens, the largest logprobs of --logprobs) "
+        "before the first setting",
     )
     parser.add_argument("--openai-url", help="load this OpenAI server (vllm serve) instead")
     parser.add_argument("--model", help="with --openai-url: the model name it serves")
