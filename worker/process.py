@@ -33,6 +33,7 @@ from worker.cli import (
 from worker.config import AUTO, WorkerConfig
 from worker.engine import logs as engine_logs
 from worker.metrics import WorkerMetrics
+from worker.shared.gc_heap import freeze_startup_heap
 
 log = logging.getLogger("worker")
 
@@ -273,6 +274,7 @@ async def _run(
         interval = engine_logs.stats_interval_s()
         background.append(asyncio.create_task(engine_logs.log_stats_every(engine, interval)))
     live.current = current
+    freeze_startup_heap()
     ready = Ready(config.nats.servers[0], config.subjects, config.instance_id, metrics_port)
     serving = (
         config.subjects.queue + " (jetstream)" if config.jetstream else config.subjects.generate

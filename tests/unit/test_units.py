@@ -317,3 +317,29 @@ def test_process_counts_default_to_auto_sized_from_the_machine() -> None:
     assert auto_worker_processes(True, 1) == 1
     assert auto_worker_processes(True, 64, data_parallel=2) == 8
     assert [auto_frontend_processes(c) for c in (1, 2, 4, 8, 16, 128)] == [1, 1, 1, 2, 4, 4]
+
+
+def test_the_startup_heap_is_frozen_after_a_collection() -> None:
+    """worker.shared.gc_heap: start-up's garbage collected first (not pinned), every survivor
+    moved to the permanent generation that full collections skip."""
+    import gc
+
+    from worker.shared.gc_heap import freeze_startup_heap
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    garbage = Cycle()
+    survivor = Cycle()
+    del garbage  # unreachable, kept alive only by its cycle until a collection
+    gc.disable()  # no automatic collection between here and the freeze
+    try:
+        frozen_before = gc.get_freeze_count()
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > frozen_before
+        assert not any(type(o) is Cycle and o is not survivor for o in gc.get_objects())
+        assert not any(o is survivor for o in gc.get_objects()), "frozen: not in a generation"
+    finally:
+        gc.unfreeze()  # this test process goes on collecting as before
+        gc.enable()

@@ -188,6 +188,7 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
 
     from worker.frontend.app import create_app
     from worker.frontend.tokenizer import ModelTokenizer
+    from worker.shared.gc_heap import freeze_startup_heap
     from worker.shared.nats_connection import connect as nats_connect
 
     settings = settings_of(args)
@@ -197,6 +198,7 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
 
     tokenizer = ModelTokenizer.load(args.model) if args.model else None
     app = create_app(settings, tokenizer, connect=connect)
+    freeze_startup_heap()  # the imports, the tokenizer and the app: all of start-up but a socket
     if sock is None:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
         return
