@@ -123,6 +123,10 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         await router.start()
         try:
             assert sorted(router.workers) == ids
+            # The index comes from a snapshot, at start when a load report of process 0 names a
+            # batch; a report sent before its first batch names none, and the snapshot waits for
+            # the next report, a second later (CI run 57 asserted before it).
+            await until(lambda: router.workers[ids[0]].index is not None)
             index = router.workers[ids[0]].index
             assert index is not None
             size = index.block_size
