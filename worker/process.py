@@ -251,6 +251,9 @@ async def _run(
     from worker.nats.runtime import open_worker
 
     metrics = WorkerMetrics(engine.limits.model, REGISTRY)
+    # Before the runtime's tasks start (KV event forwarding, probes, intake): the collection
+    # holds the event loop for as long as it walks the engine's heap.
+    freeze_startup_heap()
     try:
         runtime = await open_worker(engine, config, metrics)
     except JetStreamConfigError as error:
@@ -274,7 +277,6 @@ async def _run(
         interval = engine_logs.stats_interval_s()
         background.append(asyncio.create_task(engine_logs.log_stats_every(engine, interval)))
     live.current = current
-    freeze_startup_heap()
     ready = Ready(config.nats.servers[0], config.subjects, config.instance_id, metrics_port)
     serving = (
         config.subjects.queue + " (jetstream)" if config.jetstream else config.subjects.generate
