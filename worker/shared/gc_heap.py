@@ -3,10 +3,10 @@
 A worker or frontend process imports vLLM, torch and transformers: a heap of a million or more
 objects that lives as long as the process. Python's oldest-generation collection walks every
 tracked object each time it runs, and under load with logprobs (many short-lived rows and
-frames) it runs often enough to pause the event loop for every stream at once: on the CPU VM,
-a first token 250–300 ms late for a whole wave of requests in about half of the runs. `vllm
-serve` freezes its API server's start-up heap for the same reason (vLLM's `freeze_gc_heap`,
-called once the server has started); the worker and the frontend do the same once they serve.
+frames) it runs often enough to pause the event loop for every stream at once, a whole wave of
+requests' first tokens late together. `vllm serve` freezes its API server's start-up heap for
+the same reason (vLLM's `freeze_gc_heap`, called once the server has started); the worker and
+the frontend do the same before they serve.
 """
 
 from __future__ import annotations
