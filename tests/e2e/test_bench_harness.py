@@ -29,7 +29,9 @@ async def test_overhead_sides_generate_the_same_number_of_tokens(engine, worker,
             ]
             assert [r.tokens for r in results] == [4 * 2 * 12] * 2
             assert all(len(r.ttft_s) == 8 and min(r.ttft_s) > 0 for r in results)
-        assert sender.frames >= 8 * 12  # at least one frame per token step was read
+        # Every request's frames were read: at least one each, at most one a token plus a final
+        # one (under load the worker coalesces engine steps, so fewer frames than tokens is fine).
+        assert 2 * 8 <= sender.frames <= 2 * 8 * (12 + 1)
     finally:
         await sender.stop()
 

@@ -16,6 +16,7 @@ from messages.subjects import Subjects
 from tests.helpers import frame_maps, wait_engine_idle
 from worker.client import complete
 from worker.client.requests import make_request
+from worker.nats.liveness import Liveness
 
 PROMPT = [1, 300, 301, 302]
 
@@ -84,6 +85,30 @@ async def test_abandoned_streams_are_detected_and_aborted(fake_worker, client, c
     for i in range(8):
         assert f"request abandoned-{i}: client gone, aborting" in caplog.text
         assert f"request abandoned-{i} cancelled,cancelled,cancelled,cancelled" in caplog.text
+
+
+async def test_a_probe_held_up_past_its_timeout_never_answers_that_someone_listens(
+    client,
+) -> None:
+    """The positive answer rests on the broker's order (worker/nats/liveness.py): a worker whose
+    event loop is held while "no responders" waits unread in its socket must not take the
+    silence for a listener, or it publishes a client's frames to nobody after an outage."""
+    liveness = Liveness(
+        client, interval_s=1.0, probe_timeout_s=0.05, grace_s=1.0, outage_wait_s=1.0
+    )
+    listening = await client.subscribe(client.new_inbox())
+    await client.flush()
+    answers: dict[tuple[bool, float], bool | None] = {}
+    for listens, reply in ((False, client.new_inbox()), (True, listening.subject)):
+        for hold_s in (0.0, 0.2):
+            probe = asyncio.ensure_future(liveness.listened(reply))
+            await asyncio.sleep(0)  # the probe is sent...
+            time.sleep(hold_s)  # ...and the loop is held past the probe's timeout
+            answers[listens, hold_s] = await probe
+    # Nobody listens: "nobody", or no answer when held; never "someone". And the reverse.
+    assert answers[False, 0.0] is False and answers[False, 0.2] in (False, None), answers
+    assert answers[True, 0.0] is True and answers[True, 0.2] in (True, None), answers
+    await listening.unsubscribe()
 
 
 async def test_above_max_concurrency_requests_get_overloaded_at_once(fake_worker, client) -> None:

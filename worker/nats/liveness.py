@@ -29,9 +29,14 @@ queue wait or a slow engine step alike (the beat runs on the worker's event loop
 engine's), and takes a longer silence for a dead worker (worker.client: `silence_timeout`).
 
 A probe is an empty-body NATS request to the reply subject, marked by the `PROBE_HEADER`
-header: "no responders" means nobody is subscribed; a live client receives the marked message
-(readers skip it: worker.client.reader.is_probe) and does not answer, so the probe times out. A
-timed-out probe is the positive answer.
+header, and a marker message the worker then sends to the probe's own inbox: "no responders"
+means nobody is subscribed; a live client receives the marked message (readers skip it:
+worker.client.reader.is_probe) and does not answer. The broker handles one connection's messages
+in order and sends its "no responders" status for the probe before it delivers the marker, so a
+marker with no such status before it is the positive answer. The answer rests on that order, not
+on a timer: a worker whose event loop is late reading its socket cannot take a "no responders" it
+has not read yet for a listener (it would then publish a client's frames to nobody). nats-py's
+`flush()` cannot stand in for the marker: it writes its PING ahead of the commands still pending.
 
 `NatsReply` is the service core's `Reply` (worker/service.py) over this.
 """
@@ -47,6 +52,7 @@ from dataclasses import dataclass, field
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from messages.subjects import PROBE_HEADER
 from worker.framing import Undeliverable
@@ -77,6 +83,12 @@ def client_key(reply: str) -> str:
     if len(last) == _NUID_LENGTH:
         return f"{head}.{last[:_NUID_PREFIX_LENGTH]}"
     return reply
+
+
+def _no_responders(msg: Msg) -> bool:
+    """The broker's "no responders" status message (NATS protocol status 503, which nats-py
+    reads into the "Status" header, as its own `request` checks it)."""
+    return msg.headers is not None and msg.headers.get("Status") == "503"
 
 
 class ClientGone(Undeliverable):
@@ -203,7 +215,7 @@ class Liveness:
             if self.nc.is_connected:
                 if listener.epoch == self._epoch():
                     break
-                if await self._probe_shared(listener) is False:
+                if await self._probe_shared(listener) is not True:
                     await asyncio.sleep(min(0.25, self.grace_s / 4))
             else:
                 await asyncio.sleep(0.05)
@@ -228,21 +240,29 @@ class Liveness:
 
     async def _probe(self, listener: Listener) -> bool | None:
         """True: a subscriber is there; False: "no responders"; None: no answer either way."""
+        nc = self.nc
         epoch = self._epoch()
         self.probes_sent += 1
+        answers = None
         try:
-            await self.nc.request(
-                listener.reply, b"", timeout=self.probe_timeout_s, headers=_PROBE_HEADERS
-            )
-        except nats.errors.NoRespondersError:
-            self._missed(listener)
-            return False
-        except nats.errors.TimeoutError:
-            pass
-        except Exception as error:  # connection trouble: this round says nothing
+            inbox = nc.new_inbox()
+            answers = await nc.subscribe(inbox)
+            await nc.publish(listener.reply, b"", reply=inbox, headers=_PROBE_HEADERS)
+            await nc.publish(inbox, b"")  # the marker
+            nobody = _no_responders(await answers.next_msg(timeout=self.probe_timeout_s))
+        except Exception as error:  # connection trouble or no marker in time: this says nothing
             log.debug("probe of %s failed: %r", loggable(listener.reply), error)
             return None
-        if not self.nc.is_connected or self._epoch() != epoch:
+        finally:
+            if answers is not None and not nc.is_closed:
+                try:
+                    await answers.unsubscribe()
+                except Exception as error:  # dropped with the connection anyway
+                    log.debug("probe subscription: %r", error)
+        if nobody:
+            self._missed(listener)
+            return False
+        if not nc.is_connected or self._epoch() != epoch:
             return None  # the connection dropped meanwhile: the subscriber may not be back
         listener.first_miss = None
         listener.epoch = epoch
