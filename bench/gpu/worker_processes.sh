@@ -113,6 +113,17 @@ profiled() {  # profiled <label> <pid>... -- [worker_processes args]: py-spy on 
 }
 
 SPY=()  # more py-spy flags for profiled()
+# PROFILE=core on the serve and stack sides: the engine core sampled (without pausing it) during
+# one 3-repeat run at PROFILE_LOGPROBS (off) and PROFILE_CONCURRENCY (32) streams, before the
+# side's loads: where does its step go beside each side's other processes?
+core_profile() {  # core_profile <label> [worker_processes args]
+  [ "${PROFILE:-0}" = core ] || return 0
+  local label=$1; shift
+  SPY=(--nonblocking)
+  profiled "$label-core" "$(core)" -- "${PROFILE_LOGPROBS:-off}" "$@" \
+    --concurrency "${PROFILE_CONCURRENCY:-32}"
+  SPY=()
+}
 # Process 0 of a `--worker-processes`/`--processes` parent (spawned children; not Python's
 # resource tracker), or the parent itself when it has none.
 child() { local c; c=$(pgrep -f spawn_main -P "$1" | head -1); echo "${c:-$1}"; }
@@ -143,6 +154,7 @@ case "$SIDE" in
     # vllm serve's own /metrics: the same engine histograms, no worker (NO_METRICS=1: none).
     serve_waits=(--metrics-url http://127.0.0.1:8000/metrics)
     [ "${NO_METRICS:-0}" = 1 ] && serve_waits=()
+    core_profile "$label" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL"
     load "$label" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" "${serve_waits[@]}"
     kill -TERM $server; wait $server; echo "server exit $?"
     ;;
@@ -200,6 +212,7 @@ case "$SIDE" in
       # profile-<label>-0.txt: one frontend process (of P, reached through SO_REUSEPORT like
       # the others); -1: the worker's process 0.
       [ "${PROFILE:-0}" = 1 ] && profiled "$flabel" "$(child $frontend)" "$(child $worker)" -- off "${openai[@]}"
+      core_profile "$flabel" "${openai[@]}"
       # The frontend's /metrics after the worker's: its first-SSE-event histogram splits the
       # frontend and NATS from the caller's side in the first-token table.
       stack_waits=(); [ ${#WAITS[@]} -gt 0 ] && stack_waits=(--metrics-url "${WAITS[1]},http://127.0.0.1:8000/metrics")
