@@ -10,6 +10,7 @@ worker with N processes and the OpenAI stack, one at a time, and `--compare` pri
     python -m bench.worker_processes --nats-url URL --label n2 [--concurrency 256]
         [--logprobs off,5,20] [--max-tokens 128] [--requests-per-stream 2] [--repeats 3]
         [--vocab 32000] [--metrics-url http://127.0.0.1:9090/metrics] [--warmup 1]
+        [--cpu-of worker=PID,frontend=PID,nats=PID]
     python -m bench.worker_processes --label serve4 --openai-url http://127.0.0.1:8000/v1 --model M
     python -m bench.worker_processes --compare serve4,n1,n2,n4 --to ceiling,serve4
     python -m bench.worker_processes --compare stack44,n4 --to serve4 --rounds r1,r2,r3
@@ -20,11 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import nats
 
-from bench import first_token
+from bench import cpu_cost, first_token
 from bench.common import OUT_DIR, median, table, write_json
 from bench.load import RunResult
 from bench.load_process import LoadProcess
@@ -69,14 +71,21 @@ async def measure(args: argparse.Namespace) -> None:
         warm = await run(args.warmup, 16, max(asked, default=None))
         print(f"{args.label} warm-up: TTFT p99 {warm.ttft_ms(99):.0f} ms (not counted)", flush=True)
     results = []
+    # With the side's trees, the load's own (this process and its load process) beside them.
+    cpu_roots = {**cpu_cost.parse(args.cpu_of), "load": os.getpid()} if args.cpu_of else {}
+    cpu: dict[str, dict[str, dict[str, float]]] = {}
     waits: dict[str, list[float]] = {}
     paces: dict[str, list[float]] = {}
     for level in args.logprobs.split(","):
         logprobs = None if level == "off" else int(level)
         runs = []
         before = first_token.snapshot(args.metrics_url) if args.metrics_url else None
+        cpu_before = cpu_cost.read(cpu_roots) if cpu_roots else None
         for _ in range(args.repeats):
             runs.append(await run(args.requests_per_stream, args.max_tokens, logprobs))
+        if cpu_before is not None:
+            tokens = sum(r.tokens for r in runs)
+            cpu[level] = cpu_cost.cost(cpu_before, cpu_cost.read(cpu_roots), tokens)
         rates = [r.tokens_per_s for r in runs]
         if before is not None:
             histograms = first_token.means(before, first_token.snapshot(args.metrics_url))
@@ -103,9 +112,17 @@ async def measure(args: argparse.Namespace) -> None:
     if waits:
         print(first_token.render(waits), flush=True)
         print(first_token.render_pace(paces), flush=True)
+    if cpu:
+        print(cpu_cost.render(cpu), flush=True)
     write_json(
         side_name(args.label),
-        {"settings": vars(args), "results": results, "first_token": waits, "pace": paces},
+        {
+            "settings": vars(args),
+            "results": results,
+            "first_token": waits,
+            "pace": paces,
+            "cpu": cpu,
+        },
     )
 
 
@@ -213,6 +230,11 @@ def main() -> None:
         "--metrics-url",
         help="the worker's /metrics (--metrics-port): also print where the first token waits "
         "(bench.first_token)",
+    )
+    parser.add_argument(
+        "--cpu-of",
+        help="name=pid,... of the process trees serving the load (worker=PID,frontend=PID): "
+        "also print their CPU per output token (bench.cpu_cost); they run on this host",
     )
     parser.add_argument("--compare", help="comma-separated labels to print with their ratios")
     parser.add_argument(

@@ -83,14 +83,18 @@ load() {  # load <label> [worker_processes args]: one bench run per concurrency 
         > "$OUT/top-$l.txt") &
       topper=$!
     fi
+    # CPU_OF (name=pid,...: the side's process trees, set by each side below): CPU per token
+    # of each, the engine core apart (bench.cpu_cost).
+    local cpu_of=(); [ -n "${CPU_OF:-}" ] && cpu_of=(--cpu-of "$CPU_OF")
     timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.worker_processes --label "$l" \
-      --repeats "$REPEATS" --concurrency "$c" "$@" > "$OUT/side-$l.txt" 2>&1
+      --repeats "$REPEATS" --concurrency "$c" "${cpu_of[@]}" "$@" > "$OUT/side-$l.txt" 2>&1
     echo "bench exit $?"
     if [ -n "$topper" ]; then pkill -P "$topper"; wait "$topper" 2>/dev/null; fi
     cp "bench/out/side_$l.json" "$OUT/" 2>/dev/null
     tail -4 "$OUT/side-$l.txt"
     grep -A10 "where the first token waits" "$OUT/side-$l.txt"
     grep -A5 "after the first token" "$OUT/side-$l.txt"
+    grep -A8 "^CPU per 1,000" "$OUT/side-$l.txt"
   done
 }
 
@@ -155,6 +159,7 @@ case "$SIDE" in
     serve_waits=(--metrics-url http://127.0.0.1:8000/metrics)
     [ "${NO_METRICS:-0}" = 1 ] && serve_waits=()
     core_profile "$label" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL"
+    CPU_OF=serve=$server
     load "$label" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" "${serve_waits[@]}"
     kill -TERM $server; wait $server; echo "server exit $?"
     ;;
@@ -171,6 +176,7 @@ case "$SIDE" in
       SPY=(--nonblocking)
       profiled "$label-core" "$(core)" -- "${PROFILE_LOGPROBS:-off}"
     fi
+    CPU_OF=worker=$worker,nats=$(pgrep -x nats-server | head -1)
     load "$label" "${WAITS[@]}"
     python3 -m bench.worker_stats
     kill -TERM $worker; wait $worker; echo "worker exit $?"
@@ -213,6 +219,7 @@ case "$SIDE" in
       # the others); -1: the worker's process 0.
       [ "${PROFILE:-0}" = 1 ] && profiled "$flabel" "$(child $frontend)" "$(child $worker)" -- off "${openai[@]}"
       core_profile "$flabel" "${openai[@]}"
+      CPU_OF=worker=$worker,frontend=$frontend,nats=$(pgrep -x nats-server | head -1)
       # The frontend's /metrics after the worker's: its first-SSE-event histogram splits the
       # frontend and NATS from the caller's side in the first-token table.
       stack_waits=(); [ ${#WAITS[@]} -gt 0 ] && stack_waits=(--metrics-url "${WAITS[1]},http://127.0.0.1:8000/metrics")
@@ -223,6 +230,7 @@ case "$SIDE" in
       kill -TERM $frontend; wait $frontend; echo "frontend exit $?"
     done
     if [ "${NATS:-0}" = 1 ]; then
+      CPU_OF=worker=$worker,nats=$(pgrep -x nats-server | head -1)
       load "n$N$TAG$ROUND" "${WAITS[@]}"
       python3 -m bench.worker_stats
     fi
