@@ -123,9 +123,9 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         await router.start()
         try:
             assert sorted(router.workers) == ids
-            # The index may come a report or two after the router's start: a load report that
-            # names a batch the router has not seen marks process 0 behind, and the next one
-            # fetches its snapshot (reports are a second apart).
+            # The index comes from the snapshot `start` asks process 0 for, even where a report
+            # of it came during discovery: the prompts above fill no block, so it names no batch
+            # (kv_seq -1), and no later report or batch would ask for one before mp-kv's.
             await until(lambda: router.workers[ids[0]].index is not None)
             index = router.workers[ids[0]].index
             assert index is not None

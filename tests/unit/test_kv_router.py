@@ -476,6 +476,37 @@ async def test_a_discovered_workers_snapshot_seeds_its_index() -> None:
     assert overlap(router, CHAT_A).overlap_blocks == 0
 
 
+async def test_start_snapshots_a_process_whose_report_named_no_batch_during_discovery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A report of kv_seq -1 (no batch yet) that lands in the discovery window makes the process
+    known without a snapshot; until it publishes a batch nothing else would ask for one."""
+    import worker.client.library as library
+
+    class Subscribing(Connection):
+        async def subscribe(self, subject: str, cb: Any) -> None:
+            return None
+
+    connection = Subscribing()
+    connection.snapshots["p0"] = [KvSnapshot("p0", "e1", -1, BLOCK, [])]
+    router = router_on(connection)
+
+    async def discover(nc: Any, subject: str, *, window: float) -> list[WorkerInstance]:
+        await report(router, "p0", kv_seq=-1, engine_id="eng")  # inside the window
+        await report(router, "p1", kv_seq=-1, engine_id="eng")
+        return [
+            WorkerInstance("p0", SUBJECTS.instance("p0"), 0, None, "eng"),
+            WorkerInstance("p1", SUBJECTS.instance("p1"), 0, None, "eng", kv_snapshots=False),
+        ]
+
+    monkeypatch.setattr(library, "discover_workers", discover)
+    await router.start()
+    assert connection.asked == [SUBJECTS.kv("snapshot", "p0")]  # not p1: it reports load only
+    view = router.workers["p0"]
+    assert view.index is not None and (view.seq, view.syncing) == (-1, False)
+    assert router.workers["p1"].index is None
+
+
 async def test_an_adapters_requests_go_only_to_workers_that_report_holding_it() -> None:
     """LoadReport `adapters`: a request naming a LoRA adapter goes to a worker that holds it,
     busier or not; one nobody holds goes to the queue group (a worker without it refuses

@@ -168,15 +168,23 @@ class KvRouter:
         ]
         if discover_s > 0:
             found = await discover_workers(self.nc, self.subjects.generate, window=discover_s)
-            # A worker whose report came during discovery is known already (a snapshot is on
-            # the way if its report named a batch).
-            unknown = [w for w in found if w.instance_id not in self.workers]
-            for worker in unknown:
-                if not worker.kv_snapshots:
-                    self._discovered(worker)
-            await asyncio.gather(
-                *(self._snapshot(w.instance_id, w) for w in unknown if w.kv_snapshots)
-            )
+            # A worker whose report came during discovery is known already: a snapshot is on
+            # the way if its report named a batch, none if it named none (kv_seq -1: no batch
+            # yet), and no later report or batch asks for one until the worker publishes a batch.
+            # So each one that answers snapshots and holds no index is asked now, as the unknown
+            # ones are: where the reports fall against the window does not decide what `start`
+            # leaves.
+            unknown: list[WorkerInstance] = []
+            for worker in found:
+                view = self.workers.get(worker.instance_id)
+                if view is None:
+                    if worker.kv_snapshots:
+                        unknown.append(worker)
+                    else:
+                        self._discovered(worker)
+                elif worker.kv_snapshots and view.index is None and self.mode == "kv":
+                    self._resync(view)  # none if one runs or a failed one's back-off holds
+            await asyncio.gather(*(self._snapshot(w.instance_id, w) for w in unknown))
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def stop(self) -> None:
