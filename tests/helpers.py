@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -574,10 +574,26 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def discover(nc: NATS, verb: str, wait: float = 0.5) -> list[dict[str, Any]]:
-    """Every worker's answer to `$SRV.<verb>.vllm-nats-worker` within `wait` seconds."""
+async def discover(
+    nc: NATS, verb: str, wait: float = 0.5, *, instances: Collection[str] = ()
+) -> list[dict[str, Any]]:
+    """Every worker's answer to `$SRV.<verb>.vllm-nats-worker` within `wait` seconds; with
+    `instances`, read until each of those instance ids answered (up to 15 s, failing the test
+    past it): on CI's starved host an answer can come later than a short fixed window."""
     subject = f"$SRV.{verb}.{SERVICE_NAME}"
-    return [json.loads(data) async for data in discovery_answers(nc, subject, wait)]
+    expected = set(instances)
+    answers: list[dict[str, Any]] = []
+    answered: set[str] = set()
+    window = 15.0 if expected else wait
+    async with contextlib.aclosing(discovery_answers(nc, subject, window)) as arriving:
+        async for data in arriving:
+            answer = json.loads(data)
+            answers.append(answer)
+            answered.add(answer.get("metadata", {}).get("instance_id", ""))
+            if expected and expected <= answered:
+                break
+    assert expected <= answered, (sorted(expected - answered), "did not answer", verb)
+    return answers
 
 
 STATS_LINE = r"Avg prompt throughput: .* Running: \d+ reqs, Waiting: \d+ reqs, .*KV cache usage"

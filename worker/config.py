@@ -207,10 +207,12 @@ class WorkerConfig:
     """How often in-flight requests' clients are probed (an empty NATS request to a reply
     subject, one per client and round; see worker/nats/liveness.py). A "no responders" answer is a
     miss; misses over client_gone_grace_s declare the client gone and abort its requests."""
-    liveness_timeout_s: float = 0.5
+    liveness_timeout_s: float = 2.0
     """How long a probe waits for its marker to come back from the broker; past it the probe says
     nothing either way (worker/nats/liveness.py: the answer rests on the broker's order, not on
-    this timer)."""
+    this timer). A marker comes back whenever the connection is up, so this only bounds a
+    worker's event-loop lag: after a reconnect, frames resume once a probe's marker is read
+    within it."""
     client_gone_grace_s: float = 6.0
     """A client is declared gone only after its probes missed for this long: it covers a
     client's reconnect after a broker outage (nats-py and nats.go retry every 2 s)."""

@@ -151,7 +151,8 @@ async def test_the_cli_worker_takes_vllms_engine_arguments(
     raw = await exchange(client, subject, MSGPACK.encode(make_request("cli-3", [5] * 300)))
     assert "max_model_len 256" in msgspec.msgpack.decode(raw[0])["error"]["message"]
 
-    infos = [i for i in await discover(client, "INFO") if i["metadata"]["instance_id"] == "cli1"]
+    answers = await discover(client, "INFO", instances={"cli1"})
+    infos = [i for i in answers if i["metadata"]["instance_id"] == "cli1"]
     assert len(infos) == 1 and infos[0]["metadata"]["max_logprobs"] == "7"
     samples = await asyncio.to_thread(scrape, cli_worker.metrics_port)
     model = f"model_name={SERVED}"
@@ -207,7 +208,8 @@ async def test_lora_adapters_answer_as_vllms_server_and_an_unloaded_one_is_not_f
     tiny-lora-2 is loaded at run time over the control plane. Each answers as vLLM's server
     with the same adapters, and unlike the base model; once unloaded, a request naming it is
     refused `model_not_found`, never answered by the base model."""
-    (info,) = [i for i in await discover(client, "INFO") if i["metadata"]["instance_id"] == "cli1"]
+    answers = await discover(client, "INFO", instances={"cli1"})
+    (info,) = [i for i in answers if i["metadata"]["instance_id"] == "cli1"]
     assert json.loads(info["metadata"]["adapters"]) == {ADAPTER: str(tiny_lora)}
     loads = await client.subscribe(SUBJECTS.kv("load", "cli1"))
     loaded = await command(
@@ -324,10 +326,11 @@ async def test_the_frontend_loads_lists_routes_and_unloads_adapters_as_vllm(
         await nc.close()
 
 
-async def served_counts(client) -> dict[tuple[str, str], int]:
-    """(instance id, endpoint subject) → requests taken, from every worker's micro STATS."""
+async def served_counts(client, instances: set[str]) -> dict[tuple[str, str], int]:
+    """(instance id, endpoint subject) → requests taken, from the micro STATS of every worker
+    that answers, `instances` among them."""
     counts = {}
-    for stats in await discover(client, "STATS"):
+    for stats in await discover(client, "STATS", instances=instances):
         instance = stats["metadata"]["instance_id"]
         for endpoint in stats["endpoints"]:
             counts[(instance, endpoint["subject"])] = endpoint["num_requests"]
@@ -369,7 +372,7 @@ async def test_one_frontend_without_model_serves_every_model_of_the_cluster(
             assert cards[SERVED]["max_model_len"] == MAX_MODEL_LEN
             assert cards[ADAPTER] == {**cards[ADAPTER], "parent": SERVED, "root": str(tiny_lora)}
             assert cards[embed_name]["root"] == embed_name and cards[embed_name]["parent"] is None
-            before = await served_counts(client)
+            before = await served_counts(client, {"cli1", "emb1"})
 
             chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
             answer = await http.post("/v1/chat/completions", json={**chat, "model": SERVED})
@@ -412,7 +415,7 @@ async def test_one_frontend_without_model_serves_every_model_of_the_cluster(
             assert unknown.status_code == 404
             assert unknown.json()["error"]["message"] == "The model `nope` does not exist."
 
-            after = await served_counts(client)
+            after = await served_counts(client, {instance for instance, _ in before})
             generated = sum(after[key] - before.get(key, 0) for key in after if key[0] == "cli1")
             assert generated == 2, (before, after)
             assert (

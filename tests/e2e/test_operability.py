@@ -118,7 +118,8 @@ async def test_micro_ping_info_stats_and_counts_move(worker, client, engine) -> 
     assert endpoints["generate-direct"]["subject"] == TEST_SUBJECTS.instance(
         worker.config.instance_id
     )
-    assert any(s["id"] == service_id for s in await discover(client, "PING"))
+    pings = await discover(client, "PING", instances={worker.config.instance_id})
+    assert any(s["id"] == service_id for s in pings)
 
     def generate_stats(stats: dict) -> dict:
         return next(e for e in stats["endpoints"] if e["name"] == "generate")

@@ -40,7 +40,8 @@ async def test_a_load_reaches_every_worker_and_discovery_names_it(fake_worker, c
     again = await fleet.command_all(client, subjects.generate, load)
     assert {r.error.code for r in again if r.error} == {"invalid_request"} and len(again) == 2
 
-    infos = {i["metadata"]["instance_id"]: i for i in await discover(client, "INFO")}
+    answers = await discover(client, "INFO", instances={"f1"})
+    infos = {i["metadata"]["instance_id"]: i for i in answers}
     assert json.loads(infos["f1"]["metadata"]["adapters"]) == {"a": "/adapters/a"}
 
     members = await fleet.members(client, subjects.generate)
