@@ -323,6 +323,8 @@ class Tally:
     tokens: int = 0
     gaps: int = 0
     """Frames missing by `seq` (frames in transit when the broker died; see README)."""
+    holes: int = 0
+    """Runs of missing frames: places in the stream where `seq` jumped."""
     final: dict | None = None
     first: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -339,6 +341,7 @@ async def tally(nc: NATS, subject: str, request: GenerateRequest, stream: Tally)
         frame = msgspec.msgpack.decode(data)
         if frame["seq"] != expected:
             stream.gaps += frame["seq"] - expected
+            stream.holes += 1
         expected = frame["seq"] + 1
         stream.frames += 1
         stream.tokens += len(frame["token_ids"])

@@ -121,9 +121,15 @@ def _check_outage(
     assert "client gone" not in caplog.text
     gaps = sum(s.gaps for s in long_streams + deadline_streams)
     frames = sum(s.frames for s in long_streams + deadline_streams)
-    # Only frames in transit at the instant the broker died can be missing (at most a few per
-    # stream); everything published after it waited for the connection and the client.
-    assert gaps <= 3 * 36, (gaps, frames)
+    # Only frames in transit at the instant the broker died can be missing: one run of them per
+    # stream at most; everything published after the worker saw the connection drop waited for
+    # it and for the client. How many that run holds is the worker's time to see the drop at
+    # the fake's 4 ms a token: a few frames on an idle host, more when the host is starved
+    # (CI: 112 over 36 streams once); 25 a stream is 100 ms.
+    assert all(s.holes <= 1 for s in long_streams + deadline_streams), [
+        (s.request_id, s.holes) for s in long_streams + deadline_streams if s.holes > 1
+    ]
+    assert gaps <= 25 * 36, (gaps, frames)
     print(f"outage: {frames} frames received, {gaps} lost in transit")
 
 
