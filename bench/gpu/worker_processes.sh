@@ -55,6 +55,7 @@ WAITS=(--metrics-url http://127.0.0.1:9090/metrics)
 [ "${NO_METRICS:-0}" = 1 ] && METRICS=() && WAITS=()
 pkill -f "^python3 -m worker" ; pkill -f "vllm serve"; sleep 2
 pkill nats-server; nats-server -a 127.0.0.1 -p 4222 > "$OUT/nats.log" 2>&1 &
+nats_pid=$!
 sleep 1
 started=$(date +%s)
 
@@ -176,7 +177,7 @@ case "$SIDE" in
       SPY=(--nonblocking)
       profiled "$label-core" "$(core)" -- "${PROFILE_LOGPROBS:-off}"
     fi
-    CPU_OF=worker=$worker,nats=$(pgrep -x nats-server | head -1)
+    CPU_OF=worker=$worker,nats=$nats_pid
     load "$label" "${WAITS[@]}"
     python3 -m bench.worker_stats
     kill -TERM $worker; wait $worker; echo "worker exit $?"
@@ -219,7 +220,7 @@ case "$SIDE" in
       # the others); -1: the worker's process 0.
       [ "${PROFILE:-0}" = 1 ] && profiled "$flabel" "$(child $frontend)" "$(child $worker)" -- off "${openai[@]}"
       core_profile "$flabel" "${openai[@]}"
-      CPU_OF=worker=$worker,frontend=$frontend,nats=$(pgrep -x nats-server | head -1)
+      CPU_OF=worker=$worker,frontend=$frontend,nats=$nats_pid
       # The frontend's /metrics after the worker's: its first-SSE-event histogram splits the
       # frontend and NATS from the caller's side in the first-token table.
       stack_waits=(); [ ${#WAITS[@]} -gt 0 ] && stack_waits=(--metrics-url "${WAITS[1]},http://127.0.0.1:8000/metrics")
@@ -230,7 +231,7 @@ case "$SIDE" in
       kill -TERM $frontend; wait $frontend; echo "frontend exit $?"
     done
     if [ "${NATS:-0}" = 1 ]; then
-      CPU_OF=worker=$worker,nats=$(pgrep -x nats-server | head -1)
+      CPU_OF=worker=$worker,nats=$nats_pid
       load "n$N$TAG$ROUND" "${WAITS[@]}"
       python3 -m bench.worker_stats
     fi

@@ -123,10 +123,9 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         await router.start()
         try:
             assert sorted(router.workers) == ids
-            # The index comes from the snapshot `start` asks process 0 for, even where a report
-            # of it came during discovery: the prompts above fill no block, so it names no batch
-            # (kv_seq -1), and no later report or batch would ask for one before mp-kv's.
-            await until(lambda: router.workers[ids[0]].index is not None)
+            # `start` returns with process 0's index: it asks for its snapshot even where a
+            # report of it came during discovery (the prompts above fill no block, so it names
+            # no batch, kv_seq -1, and no later report or batch would ask before mp-kv's).
             index = router.workers[ids[0]].index
             assert index is not None
             size = index.block_size

@@ -51,8 +51,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import nats.errors
+from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.api import Header
 
 from messages.subjects import PROBE_HEADER
 from worker.framing import Undeliverable
@@ -86,9 +88,8 @@ def client_key(reply: str) -> str:
 
 
 def _no_responders(msg: Msg) -> bool:
-    """The broker's "no responders" status message (NATS protocol status 503, which nats-py
-    reads into the "Status" header, as its own `request` checks it)."""
-    return msg.headers is not None and msg.headers.get("Status") == "503"
+    """The broker's "no responders" status message, checked as nats-py's own `request` does."""
+    return msg.headers is not None and msg.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS
 
 
 class ClientGone(Undeliverable):
