@@ -3,7 +3,8 @@
 # alone on the GPU (the script stops what ran before), for alternating rounds within one lease:
 #   ROUND=r2 SIDES="serve1 serve4 stack" bash bench/gpu/rounds.sh
 # Sides: stack (the OpenAI stack with no process flags, N=auto P=auto), stacknokv (the same
-# with --no-kv-events and --router queue), stackNP (--worker-processes N, --processes P),
+# with --no-kv-events and --router queue), stackpin (the same with the engine core on cores
+# 0-1, everything else on the others), stackNP (--worker-processes N, --processes P),
 # serveA (vllm serve --api-server-count A), nN (the worker alone, --worker-processes N),
 # ceiling (CEILING_ARGS and TAG as worker_processes.sh reads them). REPEATS (default 1) and CONCURRENCIES (default "256 32") apply to every side;
 # each side's output goes to $OUT/<side>-<round>.txt and its headline lines to stdout.
@@ -20,6 +21,10 @@ for side in ${SIDES:?SIDES names the sides}; do
     # off) and so the queue group: is the engine core's slower step beside the stack the events?
     stacknokv) vars=(SIDE=stack N=auto P=auto TAG=-nokv WORKER_ARGS=--no-kv-events
       "FRONTEND_ARGS=--router queue") ;;
+    # The stack at its defaults with the engine core on cores of its own (PIN=1): does it
+    # step slower beside the stack because the stack's processes share its cores? (P=4: the
+    # frontend's auto would count the 14 cores left, 3)
+    stackpin) vars=(SIDE=stack N=auto P=4 TAG=-pin PIN=1) ;;
     # The stack with N worker and P frontend processes given (stack22: two and two): does the
     # engine core step faster beside fewer busy processes?
     stack[1-9][1-9]) vars=(SIDE=stack "N=${side:5:1}" "P=${side:6:1}") ;;

@@ -27,6 +27,9 @@
 #   so one engine start measures both
 #   CONCURRENCY=32 TAG=-c32: another number of streams than 256
 #   CONCURRENCIES="256 32": each in turn on the same start, the 32-stream labels tagged -c32
+#   PIN=1: the engine core alone on cores 0-1 (all its threads, moved once it is up) and every
+#   other process of the side, nats-server and the load included, on cores 2 and up: does the
+#   engine core step faster with cores of its own?
 #   ROUND=r1: appended to the side's label (side_serve4-r1.json, …), for alternating rounds that
 #   `python -m bench.worker_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
@@ -43,6 +46,8 @@ read -r -a FRONTEND_ARGS <<< "${FRONTEND_ARGS:-}"
 read -r -a CEILING_ARGS <<< "${CEILING_ARGS:-}"
 read -r -a SERVE_ARGS <<< "${SERVE_ARGS:-}"
 mkdir -p "$OUT"
+PIN=${PIN:-0}
+pin=(); [ "$PIN" = 1 ] && pin=(taskset -c "2-$(( $(nproc) - 1 ))")
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
         --kv-cache-memory-bytes 16000000000 --seed 0)
@@ -54,7 +59,7 @@ WAITS=(--metrics-url http://127.0.0.1:9090/metrics)
 # NO_METRICS=1: neither (the worker with no metrics port, as before the first-token table).
 [ "${NO_METRICS:-0}" = 1 ] && METRICS=() && WAITS=()
 pkill -f "^python3 -m worker" ; pkill -f "vllm serve"; sleep 2
-pkill nats-server; nats-server -a 127.0.0.1 -p 4222 > "$OUT/nats.log" 2>&1 &
+pkill nats-server; "${pin[@]}" nats-server -a 127.0.0.1 -p 4222 > "$OUT/nats.log" 2>&1 &
 nats_pid=$!
 sleep 1
 started=$(date +%s)
@@ -87,7 +92,7 @@ load() {  # load <label> [worker_processes args]: one bench run per concurrency 
     # CPU_OF (name=pid,...: the side's process trees, set by each side below): CPU per token
     # of each, the engine core apart (bench.cpu_cost).
     local cpu_of=(); [ -n "${CPU_OF:-}" ] && cpu_of=(--cpu-of "$CPU_OF")
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.worker_processes --label "$l" \
+    timeout "${BENCH_TIMEOUT:-300}" "${pin[@]}" python3 -m bench.worker_processes --label "$l" \
       --repeats "$REPEATS" --concurrency "$c" "${cpu_of[@]}" "$@" > "$OUT/side-$l.txt" 2>&1
     echo "bench exit $?"
     if [ -n "$topper" ]; then pkill -P "$topper"; wait "$topper" 2>/dev/null; fi
@@ -134,6 +139,11 @@ core_profile() {  # core_profile <label> [worker_processes args]
 child() { local c; c=$(pgrep -f spawn_main -P "$1" | head -1); echo "${c:-$1}"; }
 # The engine core process (vLLM titles it VLLM::EngineCore via setproctitle).
 core() { pgrep -f EngineCore | head -1; }
+# PIN=1: the engine core's threads onto cores 0-1, once it runs (it inherited the others' set).
+pin_core() {
+  [ "$PIN" = 1 ] || return 0
+  taskset -a -cp 0,1 "$(core)" > /dev/null && echo "engine core $(core) pinned to cores 0-1"
+}
 
 case "$SIDE" in
   ceiling)
@@ -146,7 +156,7 @@ case "$SIDE" in
   serve)
     label=serve$API$TAG$ROUND
     # No access log line per request, as the frontend runs (--log-level warning).
-    vllm serve "$MODEL" "${ENGINE[@]}" "${SERVE_ARGS[@]}" --api-server-count "$API" \
+    "${pin[@]}" vllm serve "$MODEL" "${ENGINE[@]}" "${SERVE_ARGS[@]}" --api-server-count "$API" \
       --host 127.0.0.1 --port 8000 --disable-uvicorn-access-log > "$OUT/$label.log" 2>&1 &
     server=$!
     until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
@@ -156,6 +166,7 @@ case "$SIDE" in
       sleep 2
     done
     echo "$label ready after $(( $(date +%s) - started )) s"
+    pin_core
     # vllm serve's own /metrics: the same engine histograms, no worker (NO_METRICS=1: none).
     serve_waits=(--metrics-url http://127.0.0.1:8000/metrics)
     [ "${NO_METRICS:-0}" = 1 ] && serve_waits=()
@@ -166,10 +177,11 @@ case "$SIDE" in
     ;;
   worker)
     label=n$N$TAG$ROUND
-    python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
+    "${pin[@]}" python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
       "${ENGINE[@]}" "${METRICS[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
+    pin_core
     [ "${PROFILE:-0}" = 1 ] && profiled "$label" "$(child $worker)" -- 20
     # py-spy's default blocking samples pause the engine core often enough to cut its rate
     # about 4x, so the core is sampled without pausing it.
@@ -187,7 +199,7 @@ case "$SIDE" in
     label=stack$N$P$TAG$ROUND
     worker_flags=(--worker-processes "$N"); [ "$N" = auto ] && worker_flags=()
     frontend_flags=(--processes "$P"); [ "$P" = auto ] && frontend_flags=()
-    python3 -m worker --nats-url nats://127.0.0.1:4222 "${worker_flags[@]}" --model "$MODEL" \
+    "${pin[@]}" python3 -m worker --nats-url nats://127.0.0.1:4222 "${worker_flags[@]}" --model "$MODEL" \
       "${ENGINE[@]}" "${METRICS[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     count=$N
@@ -200,12 +212,13 @@ case "$SIDE" in
       echo "--worker-processes auto: $count"
     fi
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$count" $worker || exit 1
+    pin_core
     # ROUTERS="kv queue": one frontend after the other on the same worker (one engine start),
     # each with `--router R`, labelled stack<N><P>-<R>; unset: one frontend, label stack<N><P>.
     for router in ${ROUTERS:-default}; do
       flabel=$label; router_args=()
       [ "$router" != default ] && flabel=stack$N$P$TAG-$router$ROUND && router_args=(--router "$router")
-      python3 -m worker.frontend --nats-url nats://127.0.0.1:4222 --model "$MODEL" \
+      "${pin[@]}" python3 -m worker.frontend --nats-url nats://127.0.0.1:4222 --model "$MODEL" \
         "${frontend_flags[@]}" --host 127.0.0.1 --port 8000 --log-level warning "${FRONTEND_ARGS[@]}" \
         "${router_args[@]}" > "$OUT/frontend-$flabel.log" 2>&1 &
       frontend=$!
