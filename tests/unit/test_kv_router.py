@@ -437,6 +437,27 @@ async def test_a_failed_snapshot_routes_by_load_and_backs_off() -> None:
     assert (route.instance_id, route.overlap_blocks) == ("w1", 0)
 
 
+async def test_an_idle_worker_whose_snapshot_failed_is_asked_again_by_its_reports() -> None:
+    connection = Connection()  # nobody answers snapshots, at first
+    router = router_on(connection)
+    await report(router, "w1", kv_seq=3)  # batches 0..3 came before this router
+    await settled(router)
+    view = router.workers["w1"]
+    assert connection.asked == [SUBJECTS.kv("snapshot", "w1")] and view.index is None
+    await report(router, "w1", kv_seq=3)  # idle: no batch more; inside the back-off
+    await settled(router)
+    assert len(connection.asked) == 1
+    connection.snapshots["w1"] = [KvSnapshot("w1", "e1", 3, BLOCK, [stored(CHAT_A, 1)])]
+    view.retry_at = 0.0  # the back-off passed
+    await report(router, "w1", kv_seq=3)
+    await settled(router)
+    assert len(connection.asked) == 2 and view.seq == 3
+    assert overlap(router, CHAT_A).overlap_blocks == 6
+    await report(router, "w1", kv_seq=3)  # with an index, a report naming no new batch asks nothing
+    await settled(router)
+    assert len(connection.asked) == 2
+
+
 async def test_a_discovered_worker_without_snapshots_is_routed_by_load() -> None:
     router = router_on()
     found = WorkerInstance("w1", SUBJECTS.instance("w1"), 1, 4, engine_id=None)

@@ -322,6 +322,10 @@ class KvRouter:
             self._resync(view)
         elif report.kv_seq > view.seq:
             view.behind = report.kv_seq
+        elif view.index is None and report.kv_seq >= 0:
+            # A failed snapshot left no index while the worker holds blocks: an idle worker
+            # publishes no batch that would ask again, so its reports do, at the back-off's pace.
+            self._resync(view)
 
     async def _on_events(self, msg: Msg) -> None:
         if self.mode != "kv":
