@@ -6,8 +6,9 @@ Settings and why:
   own subject: no clash with the core subjects), retention WorkQueue (a message is removed once
   acked or terminated), file storage, `max_age` so requests nobody could serve expire;
 - durable pull consumer (default `vllm-workers`): explicit acks, `ack_wait` (30 s) with in-progress
-  acks (+WPI) every `ack_wait / 3` while generating, so only a dead worker's requests are
-  redelivered; `max_deliver` (3) bounds attempts; `max_ack_pending` bounds requests out at once;
+  acks (+WPI) when taken and every `ack_wait / 3` while generating, so only a dead worker's
+  requests are redelivered; `max_deliver` (3) bounds attempts; `max_ack_pending` bounds requests
+  out at once;
 - fetches ask for the free slots only; a message delivered past them (a pull request that
   outlived its fetch) is taken from the buffer at once, and NAKed as overloaded if no slot is free;
 - the reply subject travels in the `Reply-To` header (a JetStream message's own reply subject is
@@ -357,13 +358,15 @@ class JetStreamIntake:
             log.exception("jetstream: settling request %s failed", msg.metadata.sequence)
 
     async def _keep_in_progress(self, msg: Msg) -> None:
+        # The first one at once: `ack_wait` runs from the delivery, and the fetch, the take and
+        # the admission before this (late on a starved event loop) already used part of it.
         interval = self.settings.ack_wait_s / 3
         while True:
-            await asyncio.sleep(interval)
             try:
                 await msg.in_progress()
             except Exception as error:
                 log.warning("in-progress ack failed: %s", error)
+            await asyncio.sleep(interval)
 
     async def stop(self) -> None:
         self._stopping = True
