@@ -42,12 +42,11 @@ class VllmOpenAIServer:
             str(self.port),
             *engine_argv,
         ]
-        self._env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "HF_HUB_OFFLINE": "1",
-            **(env or {}),
-        }
+        self._env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        # vLLM's CPU engine needs a KV cache size, and its VLLM_CPU_KVCACHE_SPACE wins over
+        # --kv-cache-memory-bytes: the environment's default only where the flags give none.
+        if "--kv-cache-memory-bytes" not in engine_argv:
+            self._env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self._log = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
         self._process: subprocess.Popen[bytes] | None = None
 

@@ -27,8 +27,10 @@ from bench.vllm_server import VllmOpenAIServer
 from tests.helpers import (
     DOOMED_CORE,
     EARLY_WORKERS,
+    TEST_KV_CACHE_BYTES,
     TEST_MAX_PAYLOAD,
     TEST_SUBJECTS,
+    TINY_MODEL_FLAGS,
 )
 from worker.config import NatsConfig, WorkerConfig
 from worker.dev.embedded import NatsServer
@@ -159,8 +161,7 @@ def _vllm_server(model: Path) -> VllmOpenAIServer:
     tests compare against it)."""
     return VllmOpenAIServer(
         [
-            "--model", str(model), "--dtype", "float32", "--max-model-len", "512",
-            "--enforce-eager", "--max-logprobs", "20", "--seed", "0",
+            "--model", str(model), *TINY_MODEL_FLAGS, "--max-logprobs", "20", "--seed", "0",
             # tests/e2e/test_frontend_structured.py: tool calls as the frontend's hermes parser
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             # tests/e2e/test_cli_worker.py: the adapters its worker loads, at start and later
@@ -179,8 +180,7 @@ def _vllm_embed_server(model: Path) -> VllmOpenAIServer:
     """vLLM's OpenAI server on the tiny embedding model, a pooling run of a causal LM."""
     return VllmOpenAIServer(
         [
-            "--model", str(model), "--dtype", "float32", "--max-model-len", "512",
-            "--enforce-eager", "--seed", "0", *EMBED_FLAGS,
+            "--model", str(model), *TINY_MODEL_FLAGS, "--seed", "0", *EMBED_FLAGS,
         ]
     )  # fmt: skip
 
@@ -204,7 +204,12 @@ async def embedding_engine(tiny_embedding_model: Path):  # -> VllmEngine of kind
     from worker.engine.args import tiny_engine_args
     from worker.engine.vllm_adapter import VllmEngine
 
-    args = tiny_engine_args(tiny_embedding_model, runner="pooling", convert="embed")
+    args = tiny_engine_args(
+        tiny_embedding_model,
+        runner="pooling",
+        convert="embed",
+        kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+    )
     engine = await VllmEngine.start(args)
     yield engine
     engine.shutdown()
@@ -266,7 +271,7 @@ async def engine(tiny_model: Path):  # -> VllmEngine
     from worker.engine.vllm_adapter import VllmEngine
 
     vllm_fast_merge.install()  # as worker.process.serve does
-    args = tiny_engine_args(tiny_model)
+    args = tiny_engine_args(tiny_model, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
     kv_events.configure(args)  # as worker.cli.engine_args does (--kv-events is on by default)
     engine = await VllmEngine.start(args)
     yield engine
