@@ -11,6 +11,8 @@ import sys
 import urllib.error
 import urllib.request
 
+import pytest
+
 from tests.helpers import (
     ROOT,
     TEST_SUBJECTS,
@@ -45,6 +47,7 @@ async def test_requests_total_counts_each_choice_with_the_model_name(
     assert f'model_name="{engine.limits.model}"'.encode() in text
 
 
+@pytest.mark.second_session  # CI: a CLI start of ~10 s, beside the integration layer
 async def test_a_refused_start_ends_with_the_stopped_line_too() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

@@ -218,6 +218,7 @@ async def test_the_production_cli_requires_a_model_and_a_nats_url(capsys) -> Non
     assert args.dev and args.model is None and args.nats_url is None
 
 
+@pytest.mark.second_session  # CI: a CLI start of ~10 s, beside the integration layer
 async def test_nats_and_jetstream_trouble_refuse_before_the_model_loads(
     nats_server, client, capsys
 ) -> None:
