@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -84,10 +85,13 @@ class VllmEngine:
         base_names: frozenset[str] | None = None,
     ) -> None:
         self._llm = llm
+        # The only strong reference: what is derived from the engine holds a weak proxy, so
+        # `shutdown` lets the AsyncLLM be collected (see there).
+        held = weakref.proxy(llm)
         self.table = table
         self.limits = limits
         self._scheduler = scheduler
-        self.admin = VllmAdmin(llm, base_names or frozenset({limits.model}))
+        self.admin = VllmAdmin(held, base_names or frozenset({limits.model}))
         self._no_prompt_logprobs = _prompt_logprobs_kill_the_engine(llm)
         # sampling_options.guided_decoding → vLLM's StructuredOutputsParams (per engine backend).
         self.structured = structured_outputs.StructuredOutputs(
@@ -97,7 +101,7 @@ class VllmEngine:
         self._renderer = getattr(llm, "renderer", None) if _parse_model_prompt else None
         self.embedder: Embedder | None = None
         if limits.kind == "embed":
-            self.embedder = VllmEmbedder(llm, self._prompt, self.admin)
+            self.embedder = VllmEmbedder(held, self._prompt, self.admin)
 
     @classmethod
     async def start(
