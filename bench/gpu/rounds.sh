@@ -6,7 +6,8 @@
 # with --no-kv-events and --router queue), stackpin (the same with the engine core on cores
 # 0-1, everything else on the others), stackNP (--worker-processes N, --processes P),
 # serveA (vllm serve --api-server-count A), nN (the worker alone, --worker-processes N),
-# ceiling (CEILING_ARGS and TAG as worker_processes.sh reads them). REPEATS (default 1) and CONCURRENCIES (default "256 32") apply to every side;
+# ceiling (CEILING_ARGS and TAG as worker_processes.sh reads them). REPEATS (default 1) and
+# CONCURRENCIES (default "256 32") apply to every side;
 # each side's output goes to $OUT/<side>-<round>.txt and its headline lines to stdout.
 # BUDGET_S (default 540, inside a device call's 600 s): a side runs under what is left of it
 # and is skipped with under a minute left, so the call always reaches the packing at the end.

@@ -142,7 +142,8 @@ core() { pgrep -f EngineCore | head -1; }
 # PIN=1: the engine core's threads onto cores 0-1, once it runs (it inherited the others' set).
 pin_core() {
   [ "$PIN" = 1 ] || return 0
-  taskset -a -cp 0,1 "$(core)" > /dev/null && echo "engine core $(core) pinned to cores 0-1"
+  local pid; pid=$(core)
+  taskset -a -cp 0,1 "$pid" > /dev/null && echo "engine core $pid pinned to cores 0-1"
 }
 
 case "$SIDE" in
