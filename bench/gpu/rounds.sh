@@ -4,9 +4,9 @@
 #   ROUND=r2 SIDES="serve1 serve4 stack" bash bench/gpu/rounds.sh
 # Sides: stack (the OpenAI stack with no process flags, N=auto P=auto), stacknokv (the same
 # with --no-kv-events and --router queue), stackpin (the same with the engine core on cores
-# 0-1, everything else on the others), stackNP (--worker-processes N, --processes P),
-# serveA (vllm serve --api-server-count A), nN (the worker alone, --worker-processes N),
-# ceiling (CEILING_ARGS and TAG as worker_processes.sh reads them). REPEATS (default 1) and
+# 0-1, everything else on the others; stackpin4: cores 0-3), stackNP (--worker-processes N,
+# --processes P), serveA (vllm serve --api-server-count A), nN (the worker alone,
+# --worker-processes N), ceiling (CEILING_ARGS and TAG as worker_processes.sh reads them). REPEATS (default 1) and
 # CONCURRENCIES (default "256 32") apply to every side;
 # each side's output goes to $OUT/<side>-<round>.txt and its headline lines to stdout.
 # BUDGET_S (default 540, inside a device call's 600 s): a side runs under what is left of it
@@ -26,6 +26,9 @@ for side in ${SIDES:?SIDES names the sides}; do
     # step slower beside the stack because the stack's processes share its cores? (P=4: the
     # frontend's auto would count the 14 cores left, 3)
     stackpin) vars=(SIDE=stack N=auto P=4 TAG=-pin PIN=1) ;;
+    # The same with four cores for the engine core: two were too few for its threads at 32
+    # streams on 2026-12-07 (its step 6-10% slower there, while faster at 256).
+    stackpin4) vars=(SIDE=stack N=auto P=4 TAG=-pin4 PIN=1 PIN_CORES=4) ;;
     # The stack with N worker and P frontend processes given (stack22: two and two): does the
     # engine core step faster beside fewer busy processes?
     stack[1-9][1-9]) vars=(SIDE=stack "N=${side:5:1}" "P=${side:6:1}") ;;

@@ -29,7 +29,7 @@
 #   CONCURRENCIES="256 32": each in turn on the same start, the 32-stream labels tagged -c32
 #   PIN=1: the engine core alone on cores 0-1 (all its threads, moved once it is up) and every
 #   other process of the side, nats-server and the load included, on cores 2 and up: does the
-#   engine core step faster with cores of its own?
+#   engine core step faster with cores of its own? PIN_CORES=4: cores 0-3 for it, the rest 4 up
 #   ROUND=r1: appended to the side's label (side_serve4-r1.json, …), for alternating rounds that
 #   `python -m bench.worker_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
@@ -46,8 +46,8 @@ read -r -a FRONTEND_ARGS <<< "${FRONTEND_ARGS:-}"
 read -r -a CEILING_ARGS <<< "${CEILING_ARGS:-}"
 read -r -a SERVE_ARGS <<< "${SERVE_ARGS:-}"
 mkdir -p "$OUT"
-PIN=${PIN:-0}
-pin=(); [ "$PIN" = 1 ] && pin=(taskset -c "2-$(( $(nproc) - 1 ))")
+PIN=${PIN:-0} PIN_CORES=${PIN_CORES:-2}
+pin=(); [ "$PIN" = 1 ] && pin=(taskset -c "$PIN_CORES-$(( $(nproc) - 1 ))")
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
         --kv-cache-memory-bytes 16000000000 --seed 0)
@@ -97,7 +97,7 @@ load() {  # load <label> [worker_processes args]: one bench run per concurrency 
     echo "bench exit $?"
     if [ -n "$topper" ]; then pkill -P "$topper"; wait "$topper" 2>/dev/null; fi
     cp "bench/out/side_$l.json" "$OUT/" 2>/dev/null
-    tail -4 "$OUT/side-$l.txt"
+    grep -E "logprobs=.* tok/s|warm-up" "$OUT/side-$l.txt"
     grep -A10 "where the first token waits" "$OUT/side-$l.txt"
     grep -A5 "after the first token" "$OUT/side-$l.txt"
     grep -A8 "^CPU per 1,000" "$OUT/side-$l.txt"
@@ -139,11 +139,17 @@ core_profile() {  # core_profile <label> [worker_processes args]
 child() { local c; c=$(pgrep -f spawn_main -P "$1" | head -1); echo "${c:-$1}"; }
 # The engine core process (vLLM titles it VLLM::EngineCore via setproctitle).
 core() { pgrep -f EngineCore | head -1; }
-# PIN=1: the engine core's threads onto cores 0-1, once it runs (it inherited the others' set).
+# PIN=1: the engine core's threads onto cores 0..PIN_CORES-1, once it runs (it inherited the
+# others' set); the line names each core's hyperthread siblings, which decide whether the engine
+# core shares a physical core with the others.
 pin_core() {
   [ "$PIN" = 1 ] || return 0
-  local pid; pid=$(core)
-  taskset -a -cp 0,1 "$pid" > /dev/null && echo "engine core $pid pinned to cores 0-1"
+  local pid cpus=0-$(( PIN_CORES - 1 )) siblings=() c; pid=$(core)
+  for (( c = 0; c < PIN_CORES; c++ )); do
+    siblings+=("$c:$(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null)")
+  done
+  taskset -a -cp "$cpus" "$pid" > /dev/null \
+    && echo "engine core $pid pinned to cores $cpus (core:siblings ${siblings[*]})"
 }
 
 case "$SIDE" in
