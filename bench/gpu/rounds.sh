@@ -4,10 +4,11 @@
 #   ROUND=r2 SIDES="serve1 serve4 stack" bash bench/gpu/rounds.sh
 # Sides: stack (the OpenAI stack with no process flags, N=auto P=auto), stacknokv (the same
 # with --no-kv-events and --router queue), stackpin (the same with the engine core on cores
-# 0-1, everything else on the others; stackpin4: cores 0-3), stackNP (--worker-processes N,
+# 0-1, everything else on the others; stackpin4: cores 0-3), stackpins and serveApins (one
+# engine start, the loads once per placement in PINS), stackNP (--worker-processes N,
 # --processes P), serveA (vllm serve --api-server-count A), nN (the worker alone,
-# --worker-processes N), ceiling (CEILING_ARGS and TAG as worker_processes.sh reads them). REPEATS (default 1) and
-# CONCURRENCIES (default "256 32") apply to every side;
+# --worker-processes N), ceiling (CEILING_ARGS and TAG as worker_processes.sh reads them).
+# REPEATS (default 1) and CONCURRENCIES (default "256 32") apply to every side;
 # each side's output goes to $OUT/<side>-<round>.txt and its headline lines to stdout.
 # BUDGET_S (default 540, inside a device call's 600 s): a side runs under what is left of it
 # and is skipped with under a minute left, so the call always reaches the packing at the end.
@@ -29,6 +30,10 @@ for side in ${SIDES:?SIDES names the sides}; do
     # The same with four cores for the engine core: two were too few for its threads at 32
     # streams on 2026-12-07 (its step 6-10% slower there, while faster at 256).
     stackpin4) vars=(SIDE=stack N=auto P=4 TAG=-pin4 PIN=1 PIN_CORES=4) ;;
+    # One engine start, the loads once per PINS entry (default 0 2 4 0), the processes moved
+    # between them (worker_processes.sh, PINS): each placement against the others on one start.
+    stackpins) vars=(SIDE=stack N=auto P=auto "PINS=${PINS:-0 2 4 0}") ;;
+    serve[1-9]pins) vars=(SIDE=serve "API=${side:5:1}" "PINS=${PINS:-0 2 4 0}") ;;
     # The stack with N worker and P frontend processes given (stack22: two and two): does the
     # engine core step faster beside fewer busy processes?
     stack[1-9][1-9]) vars=(SIDE=stack "N=${side:5:1}" "P=${side:6:1}") ;;

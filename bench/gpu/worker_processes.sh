@@ -30,6 +30,9 @@
 #   PIN=1: the engine core alone on cores 0-1 (all its threads, moved once it is up) and every
 #   other process of the side, nats-server and the load included, on cores 2 and up: does the
 #   engine core step faster with cores of its own? PIN_CORES=4: cores 0-3 for it, the rest 4 up
+#   PINS="0 2 4 0" (SIDE=stack or serve): the loads once per entry on one engine start, the
+#   side's processes moved between entries: 0 every process on every core, K the engine core on
+#   cores 0..K-1 and the rest (the load too) on K and up; labels tagged -pin<K> (-pin0 for 0)
 #   ROUND=r1: appended to the side's label (side_serve4-r1.json, …), for alternating rounds that
 #   `python -m bench.worker_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
@@ -152,6 +155,30 @@ pin_core() {
     && echo "engine core $pid pinned to cores $cpus (core:siblings ${siblings[*]})"
 }
 
+# The processes under each pid given, themselves included.
+tree() { local p; for p in "$@"; do echo "$p"; tree $(pgrep -P "$p"); done; }
+# place <K> <pid>...: every thread of the processes under the pids (nats-server among them) on
+# cores K and up and the engine core's on 0..K-1; K=0 every core for all. The loads that follow
+# run on the same cores as the side (`pin`).
+place() {
+  local k=$1 last=$(( $(nproc) - 1 )) rest p; shift
+  rest=0-$last; [ "$k" -gt 0 ] && rest=$k-$last
+  for p in $(tree "$@"); do taskset -a -cp "$rest" "$p" > /dev/null 2>&1; done
+  pin=(); [ "$k" -gt 0 ] && pin=(taskset -c "$rest")
+  if [ "$k" -gt 0 ]; then PIN=1 PIN_CORES=$k pin_core; else echo "placed: every core for all"; fi
+}
+# sweep <label> <pids> [load args]: the loads once per PINS entry, each placed by `place` and
+# labelled <label>-pin<K>; without PINS, the loads once, as placed at the start.
+sweep() {
+  local label=$1 pids=$2 k; shift 2
+  if [ -z "${PINS:-}" ]; then load "$label" "$@"; return; fi
+  for k in $PINS; do
+    # shellcheck disable=SC2086 # pids is a list
+    place "$k" $pids
+    load "${label%"$ROUND"}-pin$k$ROUND" "$@"
+  done
+}
+
 case "$SIDE" in
   ceiling)
     label=ceiling$TAG$ROUND
@@ -179,7 +206,8 @@ case "$SIDE" in
     [ "${NO_METRICS:-0}" = 1 ] && serve_waits=()
     core_profile "$label" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL"
     CPU_OF=serve=$server
-    load "$label" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" "${serve_waits[@]}"
+    sweep "$label" "$server $nats_pid" --openai-url http://127.0.0.1:8000/v1 --model "$MODEL" \
+      "${serve_waits[@]}"
     kill -TERM $server; wait $server; echo "server exit $?"
     ;;
   worker)
@@ -244,7 +272,7 @@ case "$SIDE" in
       # The frontend's /metrics after the worker's: its first-SSE-event histogram splits the
       # frontend and NATS from the caller's side in the first-token table.
       stack_waits=(); [ ${#WAITS[@]} -gt 0 ] && stack_waits=(--metrics-url "${WAITS[1]},http://127.0.0.1:8000/metrics")
-      load "$flabel" "${openai[@]}" "${stack_waits[@]}"
+      sweep "$flabel" "$worker $frontend $nats_pid" "${openai[@]}" "${stack_waits[@]}"
       python3 -m bench.worker_stats
       # The router's picture (one frontend process's, the one that answers): routed-<label>.txt
       curl -s http://127.0.0.1:8000/metrics | grep -E "^nats_frontend_rout" > "$OUT/routed-$flabel.txt"
