@@ -32,8 +32,8 @@ for side in ${SIDES:?SIDES names the sides}; do
     stackpin4) vars=(SIDE=stack N=auto P=4 TAG=-pin4 PIN=1 PIN_CORES=4) ;;
     # One engine start, the loads once per PINS entry (default 0 2 4 0), the processes moved
     # between them (worker_processes.sh, PINS): each placement against the others on one start.
-    stackpins) vars=(SIDE=stack N=auto P=auto "PINS=${PINS:-0 2 4 0}") ;;
-    serve[1-9]pins) vars=(SIDE=serve "API=${side:5:1}" "PINS=${PINS:-0 2 4 0}") ;;
+    stackpins) vars=(SIDE=stack N=auto P=auto TAG=-sweep "PINS=${PINS:-0 2 4 0}") ;;
+    serve[1-9]pins) vars=(SIDE=serve "API=${side:5:1}" TAG=-sweep "PINS=${PINS:-0 2 4 0}") ;;
     # The stack with N worker and P frontend processes given (stack22: two and two): does the
     # engine core step faster beside fewer busy processes?
     stack[1-9][1-9]) vars=(SIDE=stack "N=${side:5:1}" "P=${side:6:1}") ;;
