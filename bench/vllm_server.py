@@ -45,7 +45,7 @@ class VllmOpenAIServer:
         self._env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         # vLLM's CPU engine needs a KV cache size, and its VLLM_CPU_KVCACHE_SPACE wins over
         # --kv-cache-memory-bytes: the environment's default only where the flags give none.
-        if "--kv-cache-memory-bytes" not in engine_argv:
+        if not any(arg.split("=", 1)[0] == "--kv-cache-memory-bytes" for arg in engine_argv):
             self._env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self._log = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
         self._process: subprocess.Popen[bytes] | None = None
