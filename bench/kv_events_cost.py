@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from bench.common import machine, median, table, write_json
@@ -101,19 +102,20 @@ def main() -> None:
 
     import msgspec
     import zmq
-    from vllm.config import KVEventsConfig
     from vllm.distributed.kv_events import EventPublisherFactory
 
-    directory = tempfile.mkdtemp(prefix="kv-events-cost-")
-    endpoint = f"ipc://{os.path.join(directory, 'events')}"
-    inline_endpoint = f"ipc://{os.path.join(directory, 'inline')}"
-    config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        publisher="zmq",
-        endpoint=endpoint,
-        replay_endpoint=f"ipc://{os.path.join(directory, 'replay')}",
-        topic="kv",
+    from worker.engine import kv_events
+
+    # The worker's own publisher settings (`--kv-events`, its default), made as its CLI makes
+    # them for an engine with prefix caching on.
+    engine_args = SimpleNamespace(
+        enable_prefix_caching=None, data_parallel_size=1, kv_events_config=None
     )
+    kv_events.configure(engine_args)
+    config = engine_args.kv_events_config
+    endpoint = config.endpoint
+    directory = tempfile.mkdtemp(prefix="kv-events-cost-")
+    inline_endpoint = f"ipc://{os.path.join(directory, 'inline')}"
     publisher = EventPublisherFactory.create(config, 0)
     inline: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     inline.bind(inline_endpoint)
