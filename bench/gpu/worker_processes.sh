@@ -29,10 +29,12 @@
 #   CONCURRENCIES="256 32": each in turn on the same start, the 32-stream labels tagged -c32
 #   PIN=1: the engine core alone on cores 0-1 (all its threads, moved once it is up) and every
 #   other process of the side, nats-server and the load included, on cores 2 and up: does the
-#   engine core step faster with cores of its own? PIN_CORES=4: cores 0-3 for it, the rest 4 up
+#   engine core step faster with cores of its own? PIN_CORES=4: cores 0-3 for it, the rest 4 up;
+#   PIN_CORES=s2: two physical cores with their hyperthreads (PINS' entries below)
 #   PINS="0 2 4 0" (SIDE=stack or serve): the loads once per entry on one engine start, the
 #   side's processes moved between entries: 0 every process on every core, K the engine core on
-#   cores 0..K-1 and the rest (the load too) on K and up; labels tagged -pin<K> (-pin0 for 0)
+#   cores 0..K-1 and the rest (the load too) on K and up, sK the engine core on the first K
+#   physical cores, each with all its hyperthreads; labels tagged -pin<entry> (-pin0 for 0)
 #   ROUND=r1: appended to the side's label (side_serve4-r1.json, …), for alternating rounds that
 #   `python -m bench.worker_processes --rounds r1,r2,r3 --compare … --to …` sets side by side
 set -uo pipefail
@@ -50,7 +52,37 @@ read -r -a CEILING_ARGS <<< "${CEILING_ARGS:-}"
 read -r -a SERVE_ARGS <<< "${SERVE_ARGS:-}"
 mkdir -p "$OUT"
 PIN=${PIN:-0} PIN_CORES=${PIN_CORES:-2}
-pin=(); [ "$PIN" = 1 ] && pin=(taskset -c "$PIN_CORES-$(( $(nproc) - 1 ))")
+# split <entry>: "<the engine core's cores> <everyone else's>" as cpu lists: K (a number) cores
+# 0..K-1; sK the first K physical cores with all their hyperthreads (siblings from sysfs), so
+# that nothing else runs on a physical core of the engine core's.
+split() {
+  python3 - "$1" <<'PY'
+import os, sys
+
+def cpus(text):
+    out = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+def siblings(c):
+    return cpus(open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read())
+
+entry, n = sys.argv[1], os.cpu_count() or 1
+engine = list(range(int(entry))) if entry.isdigit() else []
+physical = int(entry[1:]) if entry.startswith("s") else 0
+for c in range(n):
+    if physical == 0:
+        break
+    if c not in engine:
+        engine += siblings(c)
+        physical -= 1
+rest = [c for c in range(n) if c not in engine]
+print(",".join(map(str, engine)) or "-", ",".join(map(str, rest)))
+PY
+}
+pin=(); [ "$PIN" = 1 ] && read -r _ rest <<< "$(split "$PIN_CORES")" && pin=(taskset -c "$rest")
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
         --kv-cache-memory-bytes 16000000000 --seed 0)
@@ -142,13 +174,13 @@ core_profile() {  # core_profile <label> [worker_processes args]
 child() { local c; c=$(pgrep -f spawn_main -P "$1" | head -1); echo "${c:-$1}"; }
 # The engine core process (vLLM titles it VLLM::EngineCore via setproctitle).
 core() { pgrep -f EngineCore | head -1; }
-# PIN=1: the engine core's threads onto cores 0..PIN_CORES-1, once it runs (it inherited the
-# others' set); the line names each core's hyperthread siblings, which decide whether the engine
-# core shares a physical core with the others.
+# PIN=1: the engine core's threads onto PIN_CORES (split's entry: 2, cores 0-1), once it runs
+# (it inherited the others' set); the line names each of its cores' hyperthread siblings, which
+# decide whether the engine core shares a physical core with the others.
 pin_core() {
   [ "$PIN" = 1 ] || return 0
-  local pid cpus=0-$(( PIN_CORES - 1 )) siblings=() c; pid=$(core)
-  for (( c = 0; c < PIN_CORES; c++ )); do
+  local pid cpus siblings=() c; pid=$(core); read -r cpus _ <<< "$(split "$PIN_CORES")"
+  for c in ${cpus//,/ }; do
     siblings+=("$c:$(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list 2>/dev/null)")
   done
   taskset -a -cp "$cpus" "$pid" > /dev/null \
@@ -157,25 +189,35 @@ pin_core() {
 
 # The processes under each pid given, themselves included.
 tree() { local p; for p in "$@"; do echo "$p"; tree $(pgrep -P "$p"); done; }
-# place <K> <pid>...: every thread of the processes under the pids (nats-server among them) on
-# cores K and up and the engine core's on 0..K-1; K=0 every core for all. The loads that follow
-# run on the same cores as the side (`pin`).
+# place <entry> <pid>...: every thread of the processes under the pids (nats-server among
+# them) on the cores `split` leaves the others and the engine core's on its own; 0: every core
+# for all. The loads that follow run on the same cores as the side (`pin`).
 place() {
-  local k=$1 last=$(( $(nproc) - 1 )) rest p; shift
-  rest=0-$last; [ "$k" -gt 0 ] && rest=$k-$last
+  local k=$1 engine rest p; shift
+  read -r engine rest <<< "$(split "$k")"
+  [ "$k" = 0 ] && rest=0-$(( $(nproc) - 1 ))
   for p in $(tree "$@"); do taskset -a -cp "$rest" "$p" > /dev/null 2>&1; done
-  pin=(); [ "$k" -gt 0 ] && pin=(taskset -c "$rest")
-  if [ "$k" -gt 0 ]; then PIN=1 PIN_CORES=$k pin_core; else echo "placed: every core for all"; fi
+  pin=(); [ "$k" != 0 ] && pin=(taskset -c "$rest")
+  if [ "$k" != 0 ]; then PIN=1 PIN_CORES=$k pin_core; else echo "placed: every core for all"; fi
 }
 # sweep <label> <pids> [load args]: the loads once per PINS entry, each placed by `place` and
-# labelled <label>-pin<K>; without PINS, the loads once, as placed at the start.
+# labelled <label>-pin<entry> (a second 0: pin0b); an entry that gives the engine core the same cores as an earlier
+# one but 0 (s2 where cores 0-3 are two physical cores) is skipped. Without PINS, the loads once,
+# as placed at the start.
 sweep() {
-  local label=$1 pids=$2 k; shift 2
+  local label=$1 pids=$2 k cores tag seen=" "; shift 2
   if [ -z "${PINS:-}" ]; then load "$label" "$@"; return; fi
   for k in $PINS; do
+    read -r cores _ <<< "$(split "$k")"
+    if [ "$k" != 0 ] && [[ "$seen" == *" $cores "* ]]; then
+      echo "PINS $k: cores $cores as before, skipped"; continue
+    fi
+    # The second 0 (the drift check) is labelled pin0b, not over the first's JSON.
+    tag=pin$k; [[ "$seen" == *" $cores "* ]] && tag=${tag}b
+    seen+="$cores "
     # shellcheck disable=SC2086 # pids is a list
     place "$k" $pids
-    load "${label%"$ROUND"}-pin$k$ROUND" "$@"
+    load "${label%"$ROUND"}-$tag$ROUND" "$@"
   done
 }
 
