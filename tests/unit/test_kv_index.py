@@ -222,3 +222,27 @@ async def test_the_replay_reads_both_vllm_reply_shapes(
         await server
     finally:
         router.close(linger=0)
+
+
+def test_socket_directories_of_workers_no_longer_running_are_removed(tmp_path: Path):
+    """`configure` names its socket directory `vllm-nats-kv-<pid>-…`; a worker killed by SIGKILL
+    never removes its own, so the next start removes those whose pid has no process."""
+    import os
+    import subprocess
+    import sys
+
+    from worker.engine.kv_events import remove_stale_directories
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dead = tmp_path / f"vllm-nats-kv-{ended.pid}-abc123"
+    alive = tmp_path / f"vllm-nats-kv-{os.getpid()}-def456"
+    unnamed = tmp_path / "vllm-nats-kv-8wgfw69e"  # before the pid was in the name: left alone
+    other = tmp_path / f"something-else-{ended.pid}-x"
+    for directory in (dead, alive, unnamed, other):
+        directory.mkdir()
+        (directory / "events").touch()
+
+    assert remove_stale_directories(str(tmp_path)) == [str(dead)]
+    assert not dead.exists()
+    assert alive.exists() and unnamed.exists() and other.exists()

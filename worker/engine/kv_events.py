@@ -68,7 +68,8 @@ def configure(engine_args: Any) -> None:
     config = engine_args.kv_events_config
     if config is not None and config.enable_kv_cache_events:
         return  # the user's own publisher settings; subscribe() reads them
-    directory = tempfile.mkdtemp(prefix="vllm-nats-kv-")
+    remove_stale_directories(tempfile.gettempdir())
+    directory = tempfile.mkdtemp(prefix=f"{_DIRECTORY_PREFIX}{os.getpid()}-")
     atexit.register(shutil.rmtree, directory, True)
     engine_args.kv_events_config = KVEventsConfig(
         enable_kv_cache_events=True,
@@ -77,6 +78,39 @@ def configure(engine_args: Any) -> None:
         replay_endpoint=f"ipc://{os.path.join(directory, 'replay')}",
         topic="kv",
     )
+
+
+_DIRECTORY_PREFIX = "vllm-nats-kv-"
+
+
+def remove_stale_directories(parent: str) -> list[str]:
+    """Removes the socket directories in `parent` of workers that no longer run (named for
+    their pid by `configure`): `atexit` never runs in a worker killed by SIGKILL or the OOM
+    killer, so each start clears what such workers left. A directory whose pid is alive, or was
+    reused by another process, stays. Returns the paths removed."""
+    removed = []
+    for entry in os.scandir(parent):
+        name = entry.name
+        if not name.startswith(_DIRECTORY_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid = name[len(_DIRECTORY_PREFIX) :].partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)) or entry.stat().st_uid != os.getuid():
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    if removed:
+        log.info("removed %d KV event socket directories of ended workers", len(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _connectable(endpoint: str) -> str:
