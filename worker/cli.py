@@ -34,6 +34,7 @@ from worker.config import (
     process_count,
 )
 from worker.engine import args as engine_cli
+from worker.engine import placement
 from worker.shared.nats_options import add_nats_arguments, nats_config
 
 log = logging.getLogger("worker")
@@ -97,6 +98,15 @@ OPTIONS: list[Option] = [
         "as vllm serve's --api-server-count); auto: 4 per engine core on a GPU host (as many "
         "as half the cores allow), 1 without a GPU (README: Worker processes)",
         process_count,
+    ),
+    Option(
+        "--engine-core-cpus",
+        None,
+        "engine_core_cpus",
+        "CPUs for vLLM's engine core alone (a list: 0-3, 0,8), the worker's own processes on "
+        "the rest of its CPUs; for a GPU host at high concurrency, where the engine core's one "
+        "thread is the bound (default: no placement; README: Worker processes)",
+        placement.cpu_list,
     ),
     Option(
         "--max-concurrency",

@@ -32,6 +32,7 @@ from worker.cli import (
 )
 from worker.config import AUTO, WorkerConfig
 from worker.engine import logs as engine_logs
+from worker.engine import placement
 from worker.metrics import WorkerMetrics
 from worker.shared.gc_heap import freeze_startup_heap
 
@@ -89,10 +90,12 @@ async def serve(
     on_ready: Callable[[Ready], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
     client_config: dict[str, Any] | None = None,
+    where: placement.Placement | None = None,
 ) -> int:
     """Runs the worker until SIGTERM/SIGINT (exit 0 after draining), a dead engine or a dead
     JetStream intake (exit 1); exit 2 for a configuration it refuses. With `client_config` it
-    is one of --worker-processes over a shared engine core (`serve_processes`)."""
+    is one of --worker-processes over a shared engine core (`serve_processes`); `where`: the
+    engine core it starts on CPUs of its own (`--engine-core-cpus`)."""
     from worker.engine import fast_merge
     from worker.engine.vllm_adapter import VllmEngine
 
@@ -115,7 +118,7 @@ async def serve(
             server = health.serve(args.metrics_host, args.metrics_port, REGISTRY, live.processes)
             log.info("metrics and health on http://%s:%d", args.metrics_host, server.server_port)
         try:
-            engine = await VllmEngine.start(engine_args(args), client_config)
+            engine = await VllmEngine.start(engine_args(args), client_config, where)
             try:
                 try:
                     _check_kind(args, engine.limits.kind)
@@ -176,10 +179,10 @@ async def preflight(config: WorkerConfig) -> str | None:
     return None
 
 
-def serve_processes(args: argparse.Namespace) -> int:
-    """--worker-processes N > 1: the engine core once, N worker processes over it (each runs
-    `serve` with its client_config), metrics summed over them and health read from their gauges
-    on --metrics-port."""
+def serve_processes(args: argparse.Namespace, where: placement.Placement | None = None) -> int:
+    """--worker-processes N > 1: the engine core once (on its own CPUs with `where`), N worker
+    processes over it (each runs `serve` with its client_config), metrics summed over them and
+    health read from their gauges on --metrics-port."""
     from worker.engine import reaper, scaleout
 
     if _refused(args):
@@ -200,7 +203,7 @@ def serve_processes(args: argparse.Namespace) -> int:
             _serve_summed_metrics(args)
         timeout = float(args.drain_timeout) + 10.0
         return scaleout.run(
-            engine_args(args), args, args.worker_processes, _worker_process, timeout
+            engine_args(args), args, args.worker_processes, _worker_process, timeout, where
         )
 
 
@@ -317,10 +320,16 @@ def main(argv: list[str] | None = None) -> None:
         args.worker_processes = resolve_worker_processes(args)
         if asked == AUTO:
             log.info("--worker-processes auto: %d", args.worker_processes)
-        if args.worker_processes > 1:
-            code = serve_processes(args)
+        try:
+            where = placement.plan(args.engine_core_cpus, placement.allowed())
+        except ValueError as error:
+            _say(f"vllm-nats-worker: {error}", sys.stderr)
+            code = 2
         else:
-            code = asyncio.run(serve(args))
+            if args.worker_processes > 1:
+                code = serve_processes(args, where)
+            else:
+                code = asyncio.run(serve(args, where=where))
     except KeyboardInterrupt:
         code = 130
     except Exception:

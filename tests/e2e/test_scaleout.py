@@ -38,10 +38,15 @@ from worker.client import KvRouter, complete, discover_workers, generate
 from worker.client.library import discovery_answers
 from worker.client.prefix_index import prefix_keys
 from worker.client.requests import make_request
+from worker.engine import placement
 
 pytestmark = pytest.mark.own_engine  # CI runs these beside the session-engine tests
 
 PROMPT = [1, 300, 301, 302]
+# The engine core on the first CPU of this host's, the worker's processes on the others (a host
+# of one CPU has no others: no placement there).
+CPUS = sorted(os.sched_getaffinity(0))
+ENGINE_CORE_CPUS = ("--engine-core-cpus", str(CPUS[0])) if len(CPUS) > 1 else ()
 
 
 async def _start(nats_server, tiny_model, namespace: str, lines: list[str]):
@@ -59,6 +64,7 @@ async def _start(nats_server, tiny_model, namespace: str, lines: list[str]):
         "--metrics-host",
         "127.0.0.1",
         "--disable-log-stats",  # vLLM's engine argument, honoured as `vllm serve` does
+        *ENGINE_CORE_CPUS,
         env=stats_env("1"),  # a stats line a second, were it not disabled
         own_session=True,
     )
@@ -107,6 +113,24 @@ async def test_two_processes_share_one_engine_core_and_the_queue_group(
         # --max-concurrency is the whole worker's: split evenly over the processes.
         assert [w.max_concurrency for w in workers] == [32, 32]
         assert len(psutil.Process(proc.pid).children()) >= 3  # engine core + 2 processes
+        if ENGINE_CORE_CPUS:
+            parent = psutil.Process(proc.pid)
+            (core,) = [p for p in parent.children() if p.name().startswith("VLLM::EngineCor")]
+            assert core.cpu_affinity() == CPUS[:1]  # its executor's process inherits them
+            assert {tuple(p.cpu_affinity()) for p in core.children()} <= {tuple(CPUS[:1])}
+            # The worker's processes and multiprocessing's resource tracker on the rest (the
+            # reaper's watchdog, started before the launch, keeps every CPU).
+            others = [
+                p
+                for p in parent.children()
+                if p.pid != core.pid and "worker.engine.reaper" not in p.cmdline()
+            ]
+            assert len(others) == 3, [p.cmdline() for p in others]
+            assert parent.cpu_affinity() == CPUS[1:]
+            assert all(p.cpu_affinity() == CPUS[1:] for p in others)
+            rest = placement.text(frozenset(CPUS[1:]))
+            said = f"engine core on CPUs {CPUS[0]}, this worker's processes on {rest}"
+            assert any(said in line for line in lines), lines
 
         results = await complete_all(
             client,

@@ -21,6 +21,7 @@ path was written from vLLM 0.24.0's source (entrypoints/cli/serve.py `run_multi_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import threading
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.config import ENGINE_EXIT_GRACE_S
+from worker.engine import placement
 from worker.engine.args import usage_context
 
 log = logging.getLogger(__name__)
@@ -94,9 +96,11 @@ def run(
     processes: int,
     target: ClientTarget,
     shutdown_timeout_s: float,
+    where: placement.Placement | None = None,
 ) -> int:
     """Runs the engine core and `processes` client processes until one dies (exit 1) or
-    SIGTERM/SIGINT (exit 0 once every child has drained). Blocks."""
+    SIGTERM/SIGINT (exit 0 once every child has drained). Blocks. `where`: the engine core's
+    CPUs and the rest's (`--engine-core-cpus`, worker/engine/placement.py)."""
     from vllm.v1.engine.utils import launch_core_engines
     from vllm.v1.executor import Executor
     from vllm.v1.utils import APIServerProcessManager, wait_for_completion_or_failure
@@ -130,9 +134,13 @@ def run(
             from vllm.v1.engine.utils import bind_engine_zmq_listeners
 
             listeners = bind_engine_zmq_listeners(vllm_config, processes)
-            with launch_core_engines(
-                vllm_config, executor_class, log_stats, listeners.addresses
-            ) as launch:
+            with contextlib.ExitStack() as launched:
+                with placement.engine_core_launch(where):
+                    launch = launched.enter_context(
+                        launch_core_engines(
+                            vllm_config, executor_class, log_stats, listeners.addresses
+                        )
+                    )
                 engine_manager, coordinator = launch.engine_manager, launch.coordinator
                 manager = APIServerProcessManager(
                     **common,
@@ -146,9 +154,13 @@ def run(
             from vllm.v1.engine.utils import get_engine_zmq_addresses
 
             addresses = get_engine_zmq_addresses(vllm_config, processes)
-            with launch_core_engines(
-                vllm_config, executor_class, log_stats, addresses, processes
-            ) as (engine_manager, coordinator, addresses, tensor_queue):
+            with contextlib.ExitStack() as launched:
+                with placement.engine_core_launch(where):
+                    engine_manager, coordinator, addresses, tensor_queue = launched.enter_context(
+                        launch_core_engines(
+                            vllm_config, executor_class, log_stats, addresses, processes
+                        )
+                    )
                 manager = APIServerProcessManager(
                     **common,
                     input_addresses=addresses.inputs,

@@ -31,7 +31,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from messages.frames import FinishReason
 from messages.request import GenerateRequest
 from worker.config import ENGINE_EXIT_GRACE_S
-from worker.engine import logprobs, reaper, scaleout, structured_outputs
+from worker.engine import logprobs, placement, reaper, scaleout, structured_outputs
 from worker.engine.admin import VllmAdmin
 from worker.engine.args import usage_context
 from worker.engine.contract import (
@@ -105,10 +105,14 @@ class VllmEngine:
 
     @classmethod
     async def start(
-        cls, engine_args: AsyncEngineArgs, client_config: dict[str, Any] | None = None
+        cls,
+        engine_args: AsyncEngineArgs,
+        client_config: dict[str, Any] | None = None,
+        where: placement.Placement | None = None,
     ) -> VllmEngine:
         """Starts an engine, or with `client_config` (worker/engine/scaleout.py) a client of an
-        engine core another process launched."""
+        engine core another process launched. `where`: the engine core's CPUs and this
+        process's (`--engine-core-cpus`, worker/engine/placement.py)."""
         # EngineCore and its workers die with this process (worker/engine/reaper.py).
         reaper.watch_this_process()
         # The scheduler's load for routing, where the engine collects stats anyway (a custom
@@ -117,9 +121,10 @@ class VllmEngine:
         loggers = [scheduler.factory] if scheduler is not None else None
         if client_config is None:
             log.info("starting vLLM engine for model %s", engine_args.model)
-            llm = AsyncLLM.from_engine_args(
-                engine_args, usage_context=usage_context(), stat_loggers=loggers
-            )
+            with placement.engine_core_launch(where):
+                llm = AsyncLLM.from_engine_args(
+                    engine_args, usage_context=usage_context(), stat_loggers=loggers
+                )
         else:
             log.info("client %s of a shared engine core", client_config.get("client_index"))
             llm = scaleout.client_llm(engine_args, client_config, stat_loggers=loggers)
