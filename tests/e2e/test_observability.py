@@ -84,7 +84,7 @@ def test_help_shows_the_nats_groups_first_and_each_default_once() -> None:
     flat = " ".join(text.split())
     assert (
         "third subject token (default: generate; embed for a pooling model, started with "
-        "--runner pooling or --convert embed) --health-interval" in flat
+        "--runner pooling or --convert embed) --engine-core-cpus" in flat
     )
     assert not re.search(r"\(default: [^)]*\) \(default:", flat), "a default shown twice"
     assert "--help=all" in flat

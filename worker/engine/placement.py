@@ -3,16 +3,15 @@ rest.
 
 On a GPU host under high concurrency the engine core's one step thread is the bound (it
 schedules, launches the kernels and handles every request's output each step), and it steps
-slower when the worker's and the frontend's busy processes share its physical cores. Linux hands a new process the
-CPU affinity of the thread that started it, so the engine core is launched from a main thread
-set to the engine core's CPUs (its threads, and its executor's, inherit them); then every thread
-of this process goes to the rest of the CPUs it may use, and the worker processes it starts
-after inherit those. Nothing is moved while it runs.
+slower when the worker's and the frontend's busy processes share its physical cores. Linux
+hands a new process the CPU affinity of the thread that started it, so the engine core is
+launched from a main thread set to the engine core's CPUs (its threads, and its executor's
+processes, inherit them); then every thread of this process goes to the rest of the CPUs it may
+use, and the worker processes it starts after inherit those. Nothing is moved later.
 
 The rest of the host is left alone: a frontend on the same host keeps its own affinity (start it
-with `taskset -c <the rest>`, or compose's `cpuset`). On a CPU engine the forward pass runs on
-the engine core's CPUs as well (vLLM's CPU executor binds its OpenMP threads by
-VLLM_CPU_OMP_THREADS_BIND), so the flag is for GPU hosts.
+with `taskset -c <the rest>`, or compose's `cpuset`). On the CPU engine the forward pass, in the
+executor's process, runs on the engine core's CPUs too, so the flag is for GPU hosts.
 """
 
 from __future__ import annotations
