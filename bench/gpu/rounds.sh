@@ -4,7 +4,8 @@
 #   ROUND=r2 SIDES="serve1 serve4 stack" bash bench/gpu/rounds.sh
 # Sides: stack (the OpenAI stack with no process flags, N=auto P=auto), stacknokv (the same
 # with --no-kv-events and --router queue), stackpin (the same with the engine core on cores
-# 0-1, everything else on the others; stackpin4: cores 0-3), stackpins and serveApins (one
+# 0-1, everything else on the others; stackpin4: cores 0-3; stackecK: the worker's own
+# --engine-core-cpus for worker_processes.sh's entry K), stackpins and serveApins (one
 # engine start, the loads once per placement in PINS), stackNP (--worker-processes N,
 # --processes P), serveA (vllm serve --api-server-count A), nN (the worker alone,
 # --worker-processes N), ceiling (CEILING_ARGS and TAG as worker_processes.sh reads them).
@@ -34,6 +35,10 @@ for side in ${SIDES:?SIDES names the sides}; do
     # between them (worker_processes.sh, PINS): each placement against the others on one start.
     stackpins) vars=(SIDE=stack N=auto P=auto TAG=-sweep "PINS=${PINS:-0 2 4 0}") ;;
     serve[1-9]pins) vars=(SIDE=serve "API=${side:5:1}" TAG=-sweep "PINS=${PINS:-0 2 4 0}") ;;
+    # The stack whose worker places its own engine core (--engine-core-cpus with split's cores
+    # for the entry after "stackec": stackecs1, stackec2), the frontend (P=4, as auto would
+    # count every core) and the load on the rest: the product's flag, not taskset from outside.
+    stackec*) vars=(SIDE=stack N=auto P=4 "TAG=-ec${side#stackec}" "ENGINE_CORE=${side#stackec}") ;;
     # The stack with N worker and P frontend processes given (stack22: two and two): does the
     # engine core step faster beside fewer busy processes?
     stack[1-9][1-9]) vars=(SIDE=stack "N=${side:5:1}" "P=${side:6:1}") ;;

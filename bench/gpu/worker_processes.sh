@@ -31,6 +31,9 @@
 #   other process of the side, nats-server and the load included, on cores 2 and up: does the
 #   engine core step faster with cores of its own? PIN_CORES=4: cores 0-3 for it, the rest 4 up;
 #   PIN_CORES=s2: two physical cores with their hyperthreads (PINS' entries below)
+#   ENGINE_CORE=s1 (SIDE=worker or stack): the same placement made by the worker itself
+#   (`--engine-core-cpus` with the entry's cores; nats-server, the frontend and the load on the
+#   rest), label tagged by TAG
 #   PINS="0 2 4 0" (SIDE=stack or serve): the loads once per entry on one engine start, the
 #   side's processes moved between entries: 0 every process on every core, K the engine core on
 #   cores 0..K-1 and the rest (the load too) on K and up, sK the engine core on the first K
@@ -83,6 +86,19 @@ print(",".join(map(str, engine)) or "-", ",".join(map(str, rest)))
 PY
 }
 pin=(); [ "$PIN" = 1 ] && read -r _ rest <<< "$(split "$PIN_CORES")" && pin=(taskset -c "$rest")
+# ENGINE_CORE=<entry> (SIDE=worker or stack): the worker's own `--engine-core-cpus` with split's
+# cores for the entry, the worker started on every core (it places its engine core and its
+# processes itself) and everything else (nats-server, the frontend, the load) on the rest:
+# the product's placement, where PIN=1 and PINS move the processes from outside.
+wpin=()
+if [ -n "${ENGINE_CORE:-}" ]; then
+  read -r engine_cpus rest <<< "$(split "$ENGINE_CORE")"
+  WORKER_ARGS+=(--engine-core-cpus "$engine_cpus")
+  pin=(taskset -c "$rest")
+  echo "--engine-core-cpus $engine_cpus (entry $ENGINE_CORE), the rest on $rest"
+else
+  wpin=("${pin[@]}")
+fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-logprobs 20
         --kv-cache-memory-bytes 16000000000 --seed 0)
@@ -254,7 +270,7 @@ case "$SIDE" in
     ;;
   worker)
     label=n$N$TAG$ROUND
-    "${pin[@]}" python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
+    "${wpin[@]}" python3 -m worker --nats-url nats://127.0.0.1:4222 --worker-processes "$N" --model "$MODEL" \
       "${ENGINE[@]}" "${METRICS[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     wait_for "$OUT/worker-$label.log" "vllm-nats-worker ready" "$N" $worker || exit 1
@@ -276,7 +292,7 @@ case "$SIDE" in
     label=stack$N$P$TAG$ROUND
     worker_flags=(--worker-processes "$N"); [ "$N" = auto ] && worker_flags=()
     frontend_flags=(--processes "$P"); [ "$P" = auto ] && frontend_flags=()
-    "${pin[@]}" python3 -m worker --nats-url nats://127.0.0.1:4222 "${worker_flags[@]}" --model "$MODEL" \
+    "${wpin[@]}" python3 -m worker --nats-url nats://127.0.0.1:4222 "${worker_flags[@]}" --model "$MODEL" \
       "${ENGINE[@]}" "${METRICS[@]}" "${WORKER_ARGS[@]}" > "$OUT/worker-$label.log" 2>&1 &
     worker=$!
     count=$N
