@@ -62,27 +62,21 @@ split() {
   python3 - "$1" <<'PY'
 import os, sys
 
-def cpus(text):
-    out = []
-    for part in text.strip().split(","):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return out
+from worker.engine.placement import cpu_list
 
 def siblings(c):
-    return cpus(open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read())
+    return cpu_list(open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read())
 
 entry, n = sys.argv[1], os.cpu_count() or 1
-engine = list(range(int(entry))) if entry.isdigit() else []
+engine = set(range(int(entry))) if entry.isdigit() else set()
 physical = int(entry[1:]) if entry.startswith("s") else 0
 for c in range(n):
     if physical == 0:
         break
     if c not in engine:
-        engine += siblings(c)
+        engine |= siblings(c)
         physical -= 1
-rest = [c for c in range(n) if c not in engine]
-print(",".join(map(str, engine)) or "-", ",".join(map(str, rest)))
+print(",".join(map(str, sorted(engine))) or "-", ",".join(str(c) for c in range(n) if c not in engine))
 PY
 }
 pin=(); [ "$PIN" = 1 ] && read -r _ rest <<< "$(split "$PIN_CORES")" && pin=(taskset -c "$rest")
