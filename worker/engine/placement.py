@@ -52,13 +52,13 @@ def allowed() -> frozenset[int]:
 
 def text(cpus: frozenset[int]) -> str:
     """A CPU set as a compact list (`0-3,8`)."""
-    ranges: list[str] = []
+    ranges: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
     for cpu in sorted(cpus):
-        if ranges and cpu == int(ranges[-1].rpartition("-")[2]) + 1:
-            ranges[-1] = f"{ranges[-1].partition('-')[0]}-{cpu}"
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
         else:
-            ranges.append(str(cpu))
-    return ",".join(ranges)
+            ranges.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 @dataclass(frozen=True)
