@@ -7,7 +7,8 @@
 # 0-1, everything else on the others; stackpin4: cores 0-3; stackecK: the worker's own
 # --engine-core-cpus for worker_processes.sh's entry K), stackpins and serveApins (one
 # engine start, the loads once per placement in PINS), stackNP (--worker-processes N,
-# --processes P), serveA (vllm serve --api-server-count A), nN (the worker alone,
+# --processes P), stackmbtT and serveAmbtT (--max-num-batched-tokens T on the stack's worker
+# or on vllm serve), serveA (vllm serve --api-server-count A), nN (the worker alone,
 # --worker-processes N), ceiling (CEILING_ARGS and TAG as worker_processes.sh reads them).
 # REPEATS (default 1) and CONCURRENCIES (default "256 32") apply to every side;
 # each side's output goes to $OUT/<side>-<round>.txt and its headline lines to stdout.
@@ -39,6 +40,13 @@ for side in ${SIDES:?SIDES names the sides}; do
     # for the entry after "stackec": stackecs1, stackec2), the frontend (P=4, as auto would
     # count every core) and the load on the rest: the product's flag, not taskset from outside.
     stackec*) vars=(SIDE=stack N=auto P=4 "TAG=-ec${side#stackec}" "ENGINE_CORE=${side#stackec}") ;;
+    # The first token at 256 streams waits for a wave of up to 256 prompts prefilled in one
+    # step of the engine's 8,192 batched tokens: the same stack and vllm serve with a smaller
+    # --max-num-batched-tokens (stackmbt2048, serve1mbt2048; the ceiling: CEILING_ARGS).
+    stackmbt*) vars=(SIDE=stack N=auto P=auto "TAG=-mbt${side#stackmbt}"
+      "WORKER_ARGS=--max-num-batched-tokens ${side#stackmbt}") ;;
+    serve[1-9]mbt*) vars=(SIDE=serve "API=${side:5:1}" "TAG=-mbt${side#serve[1-9]mbt}"
+      "SERVE_ARGS=--max-num-batched-tokens ${side#serve[1-9]mbt}") ;;
     # The stack with N worker and P frontend processes given (stack22: two and two): does the
     # engine core step faster beside fewer busy processes?
     stack[1-9][1-9]) vars=(SIDE=stack "N=${side:5:1}" "P=${side:6:1}") ;;
