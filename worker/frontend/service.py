@@ -21,6 +21,7 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
+from starlette.types import Receive
 
 from messages.control import ControlReply, ControlRequest
 from messages.embeddings import EmbedRequest
@@ -66,8 +67,6 @@ from worker.shared.log_text import loggable
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-IsDisconnected = Callable[[], Awaitable[bool]]
-"""The HTTP request's `is_disconnected`."""
 
 Frames = AsyncGenerator[ResponseFrame, None]
 
@@ -301,13 +300,13 @@ class FrontendService:
 
     async def start_batch(
         self,
-        is_disconnected: IsDisconnected,
+        receive: Receive,
         model: ServedModel,
         requests: Sequence[GenerateRequest],
     ) -> Batch:
         """Every prompt's request sent at once and its first frame read; any failure is the
         whole response's (the first, in prompt order), and the others are cancelled."""
-        watcher = asyncio.create_task(watch_disconnect(is_disconnected))
+        watcher = asyncio.create_task(watch_disconnect(receive))
         try:
             started: list[FrameSource | BaseException]
             if len(requests) == 1:
@@ -330,20 +329,20 @@ class FrontendService:
 
     async def complete(
         self,
-        is_disconnected: IsDisconnected,
+        receive: Receive,
         answer: Answer[Any],
         model: ServedModel,
         requests: Sequence[GenerateRequest],
     ) -> dict[str, Any]:
         """The whole answer's body, once every frame arrived."""
-        batch = await self.start_batch(is_disconnected, model, requests)
+        batch = await self.start_batch(receive, model, requests)
         await batch.fold(answer.feed)
         self.metrics.count_usage(answer.usage())
         return answer.body()
 
     async def stream(
         self,
-        is_disconnected: IsDisconnected,
+        receive: Receive,
         answer: Answer[Any],
         model: ServedModel,
         requests: Sequence[GenerateRequest],
@@ -351,7 +350,7 @@ class FrontendService:
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         """The answer's SSE events, once every prompt's first frame arrived."""
-        batch = await self.start_batch(is_disconnected, model, requests)
+        batch = await self.start_batch(receive, model, requests)
         return sse.events(
             batch, answer, include_usage=include_usage, on_answered=self.metrics.count_usage
         )

@@ -3,7 +3,7 @@ worker) as soon as the HTTP client goes away, a batch's prompts read together.
 
 Invariants:
 - a stream that waits for its next frame sends nothing that could fail, so the client's
-  disconnect is polled (`watch_disconnect`, one watcher per HTTP request);
+  disconnect is awaited (`watch_disconnect`, one watcher per HTTP request);
 - closing a stream closes the NATS request's frames (which publishes its cancel), whatever the
   reason: the client left, an error, the task cancelled, or a response dropped unread;
 - nothing is made per frame on one prompt's path (no task, no `asyncio.wait`): this runs once
@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
+
+from starlette.types import Receive
 
 from messages.frames import ResponseFrame
 from worker.frontend.errors import OpenAIError
@@ -24,13 +26,15 @@ from worker.shared.log_text import loggable
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.25
 
-
-async def watch_disconnect(is_disconnected: Callable[[], Awaitable[bool]]) -> None:
-    """Returns once the HTTP client is gone."""
-    while not await is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
+async def watch_disconnect(receive: Receive) -> None:
+    """Returns once the HTTP client is gone (or the response has ended). `receive` is the HTTP
+    request's ASGI receive after its body was read, so the server's next message is
+    `http.disconnect`, which uvicorn's receive waits for without polling: Starlette's
+    `Request.is_disconnected` instead costs a cancel scope per look, at least one per request
+    while a wave of requests is admitted."""
+    while (await receive())["type"] != "http.disconnect":
+        pass  # body a route left unread
 
 
 async def until_disconnected(

@@ -38,12 +38,12 @@ async def respond(
     asks, else one JSON body."""
     if body.stream:
         events = await service.stream(
-            request.is_disconnected,
+            request.receive,
             answer,
             model,
             generate_requests,
             include_usage=body.include_usage,
         )
         return StreamingResponse(events, media_type="text/event-stream")
-    body_of = await service.complete(request.is_disconnected, answer, model, generate_requests)
+    body_of = await service.complete(request.receive, answer, model, generate_requests)
     return JSONResponse(body_of)
