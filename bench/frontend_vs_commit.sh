@@ -5,11 +5,12 @@
 # loaded over HTTP by bench.worker_processes from its own load process; ROUNDS alternating
 # rounds with the order rotated.
 #   BEFORE=c3250b6 ROUNDS=3 bash bench/frontend_vs_commit.sh
-# CONCURRENCY (32), MAX_TOKENS (128), REQUESTS (per stream, 2), REPEATS (2) and LOGPROBS (off,5)
-# shape the load: CONCURRENCY=256 MAX_TOKENS=4 REQUESTS=8 weighs the admission of waves of requests.
-# Each load also prints the frontend process's CPU per 1,000 output tokens (bench.cpu_cost), steadier
-# than tok/s on a noisy host. Labels fe-before-r<K> / fe-after-r<K>; ratios: python -m bench.worker_processes --compare
-# fe-before,fe-after --to fe-before --rounds r1,r2,r3
+# CONCURRENCY (32), MAX_TOKENS (128), REQUESTS (per stream, 2), REPEATS (2) and LOGPROBS
+# (off,5) shape the load: CONCURRENCY=256 MAX_TOKENS=4 REQUESTS=8 weighs the admission of
+# waves of requests. Each load also prints the frontend process's CPU per 1,000 output tokens
+# (bench.cpu_cost), steadier than tok/s on a noisy host. Labels fe-before-r<K> /
+# fe-after-r<K>; ratios: python -m bench.worker_processes --compare fe-before,fe-after
+# --to fe-before --rounds r1,r2,r3
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=$PWD/.venv/bin/python
@@ -47,8 +48,9 @@ for round in $(seq "${ROUNDS:-3}"); do
     port=18101; [ $side = after ] && port=18102
     $PY -m bench.worker_processes --nats-url "$URL" --openai-url "http://127.0.0.1:$port/v1" \
       --model "$MODEL" \
-      --label "fe-$side-r$round" --concurrency "${CONCURRENCY:-32}" --max-tokens "${MAX_TOKENS:-128}" \
-      --requests-per-stream "${REQUESTS:-2}" --repeats "${REPEATS:-2}" --logprobs "${LOGPROBS:-off,5}" \
+      --label "fe-$side-r$round" --concurrency "${CONCURRENCY:-32}" \
+      --max-tokens "${MAX_TOKENS:-128}" --requests-per-stream "${REQUESTS:-2}" \
+      --repeats "${REPEATS:-2}" --logprobs "${LOGPROBS:-off,5}" \
       --vocab 1024 --cpu-of "frontend=${PID[$port]}" | grep -E "tok/s|^\| frontend"
   done
 done

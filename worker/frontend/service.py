@@ -67,7 +67,6 @@ from worker.shared.log_text import loggable
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
 Frames = AsyncGenerator[ResponseFrame, None]
 
 
