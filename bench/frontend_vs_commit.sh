@@ -23,9 +23,11 @@ OLD=$LOG/before
 git worktree add -q --detach "$OLD" "$BEFORE"
 cleanup() { kill $(jobs -p) 2>/dev/null; wait; git worktree remove --force "$OLD"; }
 trap cleanup EXIT
+# SIGTERM (the cleanup's kill) leaves the with block, which stops the nats-server it started.
 $PY -c "
 from worker.dev.embedded import NatsServer
-import signal
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 with NatsServer() as s:
     print(s.url, flush=True); signal.pause()
 " > "$LOG/nats.url" 2>/dev/null &
