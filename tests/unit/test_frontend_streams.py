@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
-from typing import Any
+
+from starlette.types import Message, Receive
 
 from messages.frames import ResponseFrame
 from worker.frontend.streams import until_disconnected, watch_disconnect
 
 
-def queued_receive() -> tuple[asyncio.Queue[dict[str, Any]], Any]:
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+def queued_receive() -> tuple[asyncio.Queue[Message], Receive]:
+    queue: asyncio.Queue[Message] = asyncio.Queue()
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return await queue.get()
 
     return queue, receive
