@@ -1,5 +1,6 @@
-"""The frontend's disconnect watcher and the frame streams it stops (worker/frontend/streams.py),
-driven by an ASGI `receive` made of a queue: the messages a server hands a route after its body."""
+"""The frontend's disconnect watcher (worker/frontend/routes/common.py) and the frame streams it
+stops (worker/frontend/streams.py), driven by an ASGI `receive` made of a queue: the messages a
+server hands a route after its body."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from collections.abc import AsyncGenerator
 from starlette.types import Message, Receive
 
 from messages.frames import ResponseFrame
-from worker.frontend.streams import until_disconnected, watch_disconnect
+from worker.frontend.routes.common import watch_disconnect
+from worker.frontend.streams import until_disconnected
 
 
 def queued_receive() -> tuple[asyncio.Queue[Message], Receive]:

@@ -21,7 +21,6 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
-from starlette.types import Receive
 
 from messages.control import ControlReply, ControlRequest
 from messages.embeddings import EmbedRequest
@@ -53,7 +52,7 @@ from worker.frontend.errors import (
 from worker.frontend.metrics import FrontendMetrics
 from worker.frontend.schemas import ChatCompletionRequest, CompletionRequest
 from worker.frontend.settings import FrontendSettings
-from worker.frontend.streams import Batch, FrameSource, until_disconnected, watch_disconnect
+from worker.frontend.streams import Batch, ClientGone, FrameSource, until_disconnected
 from worker.frontend.tokenizer import ModelTokenizer
 from worker.frontend.vllm_parsers import (
     ChatPlan,
@@ -299,13 +298,13 @@ class FrontendService:
 
     async def start_batch(
         self,
-        receive: Receive,
+        client_gone: ClientGone,
         model: ServedModel,
         requests: Sequence[GenerateRequest],
     ) -> Batch:
         """Every prompt's request sent at once and its first frame read; any failure is the
         whole response's (the first, in prompt order), and the others are cancelled."""
-        watcher = asyncio.create_task(watch_disconnect(receive))
+        watcher = asyncio.create_task(client_gone())
         try:
             started: list[FrameSource | BaseException]
             if len(requests) == 1:
@@ -328,20 +327,20 @@ class FrontendService:
 
     async def complete(
         self,
-        receive: Receive,
+        client_gone: ClientGone,
         answer: Answer[Any],
         model: ServedModel,
         requests: Sequence[GenerateRequest],
     ) -> dict[str, Any]:
         """The whole answer's body, once every frame arrived."""
-        batch = await self.start_batch(receive, model, requests)
+        batch = await self.start_batch(client_gone, model, requests)
         await batch.fold(answer.feed)
         self.metrics.count_usage(answer.usage())
         return answer.body()
 
     async def stream(
         self,
-        receive: Receive,
+        client_gone: ClientGone,
         answer: Answer[Any],
         model: ServedModel,
         requests: Sequence[GenerateRequest],
@@ -349,7 +348,7 @@ class FrontendService:
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         """The answer's SSE events, once every prompt's first frame arrived."""
-        batch = await self.start_batch(receive, model, requests)
+        batch = await self.start_batch(client_gone, model, requests)
         return sse.events(
             batch, answer, include_usage=include_usage, on_answered=self.metrics.count_usage
         )

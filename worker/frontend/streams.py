@@ -3,7 +3,7 @@ worker) as soon as the HTTP client goes away, a batch's prompts read together.
 
 Invariants:
 - a stream that waits for its next frame sends nothing that could fail, so the client's
-  disconnect is awaited (`watch_disconnect`, one watcher per HTTP request);
+  departure is awaited (a `ClientGone` the route makes, one watcher per HTTP request);
 - closing a stream closes the NATS request's frames (which publishes its cancel), whatever the
   reason: the client left, an error, the task cancelled, or a response dropped unread;
 - nothing is made per frame on one prompt's path (no task, no `asyncio.wait`): this runs once
@@ -15,10 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
-
-from starlette.types import Receive
 
 from messages.frames import ResponseFrame
 from worker.frontend.errors import OpenAIError
@@ -27,14 +25,9 @@ from worker.shared.log_text import loggable
 log = logging.getLogger(__name__)
 
 
-async def watch_disconnect(receive: Receive) -> None:
-    """Returns once the HTTP client is gone (or the response has ended). `receive` is the HTTP
-    request's ASGI receive after its body was read, so the server's next message is
-    `http.disconnect`, which uvicorn's receive waits for without polling: Starlette's
-    `Request.is_disconnected` instead costs a cancel scope per look, at least one per request
-    while a wave of requests is admitted."""
-    while (await receive())["type"] != "http.disconnect":
-        pass  # body a route left unread
+ClientGone = Callable[[], Coroutine[Any, Any, None]]
+"""Returns once the caller is gone (or its response has ended): the transport's own signal,
+made by the route (an HTTP request's disconnect), so that nothing here sees the transport."""
 
 
 async def until_disconnected(
@@ -43,8 +36,8 @@ async def until_disconnected(
     request_id: str,
     on_end: Callable[[], None] | None = None,
 ) -> AsyncGenerator[ResponseFrame, None]:
-    """`frames`, stopped as soon as `watcher` (the HTTP request's `watch_disconnect`, shared by
-    a batch's prompts) ends; `on_end` runs once when this ends, for whatever reason.
+    """`frames`, stopped as soon as `watcher` (a task of the request's `ClientGone`, shared
+    by a batch's prompts) ends; `on_end` runs once when this ends, for whatever reason.
 
     The watcher's end cancels the task that waits for the next frame; that one cancellation is
     taken back (`uncancel`) and ends the frames, while any other cancellation of the task goes
