@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -206,6 +207,48 @@ def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -
     print(table(header, rows))
 
 
+def split_by_pace(labels: list[str], ceiling: str, rounds: list[str]) -> None:
+    """Each side's tok/s ÷ the ceiling's, cut in two factors whose product it is (the side's
+    `pace`, bench.first_token, per round): the engine's (the ceiling's time per token and stream,
+    its streams ÷ its tok/s, ÷ the side's engine core decode per token) and the closed loop's
+    (that decode ÷ the load's time per token and stream, whose difference is each request's
+    turnaround: its first token and the previous request's last frame on the way, spread over
+    its tokens; an offline queue pays none). Meaningful where the ceiling holds as many
+    requests as the side has streams (`--max-num-seqs 256` at 256 streams)."""
+
+    def load(path: Path) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads(path.read_text())
+        return result
+
+    rows = []
+    for label in labels:
+        for rd in rounds:
+            path = side_path(f"{label}-{rd}")
+            if not path.exists():
+                continue
+            side = load(path)
+            ceiling_path = side_path(f"{ceiling}-{rd}")
+            base = load(ceiling_path if ceiling_path.exists() else side_path(ceiling))
+            base_rate = {r["logprobs"]: r["tokens_per_s"] for r in base["results"]}
+            streams = side["settings"]["concurrency"]
+            for r in side["results"]:
+                level = r["logprobs"]
+                decode, _, _, per_stream = side["pace"][level]
+                ceiling_pace = streams / base_rate[level]
+                rows.append(
+                    [
+                        f"{label}-{rd}",
+                        level,
+                        f"{r['tokens_per_s'] / base_rate[level]:.2f}",
+                        f"{ceiling_pace / decode:.2f}",
+                        f"{decode / per_stream:.2f}",
+                        f"{(per_stream - decode) * 1e3 * side['settings']['max_tokens']:.0f}",
+                    ]
+                )
+    header = ["side", "logprobs", f"÷ {ceiling}", "the engine's share", "the loop's share"]
+    print(table(header + ["turnaround per request ms"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.worker_processes")
     parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
@@ -245,12 +288,20 @@ def main() -> None:
         help="with --compare: comma-separated round names (side_<label>-<round>.json; a side "
         "without a round's file is read from side_<label>.json, the same in every round)",
     )
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="with --compare and --rounds: also cut each side's ratio to the first --to (a "
+        "ceiling) into the engine's share and the closed loop's (split_by_pace)",
+    )
     args = parser.parse_args()
     if args.compare:
         labels = args.compare.split(",")
         baselines = args.to.split(",") if args.to else labels[:1]
         if args.rounds:
             compare_rounds(labels, baselines, args.rounds.split(","))
+            if args.split:
+                split_by_pace(labels, baselines[0], args.rounds.split(","))
         else:
             compare(labels, baselines)
         return
