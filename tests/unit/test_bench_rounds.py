@@ -143,3 +143,32 @@ def test_the_pace_after_the_first_token_is_per_later_token_and_the_worker_stretc
     assert "the load: per token and stream | 10.00 ms" in printed
     cut = first_token.stretches([0.5], means)
     assert cut == pytest.approx([0.05, 0.1, 0.15, 0.0, 0.0, 0.0, 0.2])
+
+
+def test_split_cuts_the_ratio_to_the_ceiling_into_the_engines_and_the_loops_shares(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--split`: a side's tok/s ÷ the ceiling's is the engine's share (the ceiling's time per
+    token and stream ÷ the side's engine decode per token) times the loop's (that decode ÷ the
+    load's time per token and stream), and the turnaround is their difference over a request's
+    tokens; a round the side did not run in has no row."""
+    monkeypatch.setattr(worker_processes, "OUT_DIR", tmp_path)
+    write(tmp_path, "ceiling", {"off": 40_000.0}, None)
+    # 256 streams at 32,000 tok/s: 8 ms per token and stream; the engine decoded at 6.8 ms.
+    side = {
+        "settings": {"concurrency": 256, "max_tokens": 128},
+        "results": [{"logprobs": "off", "tokens_per_s": 32_000.0, "ttft_p50_ms": 120.0}],
+        "pace": {"off": [0.0068, 0.0069, 0.0070, 256 / 32_000.0]},
+    }
+    (tmp_path / "side_stack-r1.json").write_text(json.dumps(side))
+
+    worker_processes.split_by_pace(["stack"], "ceiling", ["r1", "r2"])
+    table = rows(capsys.readouterr().out)
+
+    ratio, engine, loop, turnaround = table[("stack-r1", "off")]
+    assert ratio == "0.80"  # 32,000 ÷ 40,000
+    assert engine == "0.94"  # 6.4 ms (256 ÷ 40,000) ÷ 6.8 ms
+    assert loop == "0.85"  # 6.8 ms ÷ 8.0 ms
+    assert math.isclose(float(engine) * float(loop), float(ratio), abs_tol=0.01)
+    assert turnaround == "154"  # (8.0 − 6.8) ms × 128 tokens
+    assert ("stack-r2", "off") not in table
