@@ -43,6 +43,19 @@ def side_path(label: str) -> Path:
     return OUT_DIR / f"{side_name(label)}.json"
 
 
+def read_round(label: str, round_: str, rounds: list[str]) -> dict[str, Any] | None:
+    """One side's JSON in one of `rounds`. A side run once for all rounds (the ceiling, one
+    engine start) has no round's file and is read from side_<label>.json in each; a side with
+    round files but not this round's did not run in it (None)."""
+    path = side_path(f"{label}-{round_}")
+    if not path.exists():
+        if any(side_path(f"{label}-{rd}").exists() for rd in rounds):
+            return None
+        path = side_path(label)
+    side: dict[str, Any] = json.loads(path.read_text())
+    return side
+
+
 async def measure(args: argparse.Namespace) -> None:
     client = await nats.connect(args.nats_url)
     openai = (args.openai_url, args.model) if args.openai_url else None
@@ -162,15 +175,9 @@ def compare_rounds(labels: list[str], baselines: list[str], rounds: list[str]) -
     by side, and printed per round with its range; tok/s and TTFT are the rounds' medians."""
 
     def load(label: str, round_: str) -> dict[str, dict] | None:
-        # A side run once for all rounds (the ceiling, one engine start) has no round's file and
-        # is read from side_<label>.json in each; a side with round files but not this round's
-        # did not run in it (None), and its ratios come from the rounds it ran in.
-        path = side_path(f"{label}-{round_}")
-        if not path.exists():
-            if any(side_path(f"{label}-{rd}").exists() for rd in rounds):
-                return None
-            path = side_path(label)
-        return {r["logprobs"]: r for r in json.loads(path.read_text())["results"]}
+        # A side that did not run in a round (None) takes its ratios from the rounds it ran in.
+        side = read_round(label, round_, rounds)
+        return None if side is None else {r["logprobs"]: r for r in side["results"]}
 
     data = {
         (label, rd): load(label, rd) for label in dict.fromkeys(labels + baselines) for rd in rounds
@@ -220,20 +227,17 @@ def split_by_pace(labels: list[str], ceiling: str, rounds: list[str]) -> None:
     (1 + prefill step ÷ 128 decode steps: ~1.05 for a 40 ms step of 256 prompts at 6.5 ms a
     token)."""
 
-    def load(path: Path) -> dict[str, Any]:
-        result: dict[str, Any] = json.loads(path.read_text())
-        return result
-
+    base_rates = {}
+    for rd in rounds:
+        if (base := read_round(ceiling, rd, rounds)) is not None:
+            base_rates[rd] = {r["logprobs"]: r["tokens_per_s"] for r in base["results"]}
     rows = []
     for label in labels:
-        for rd in rounds:
+        for rd, base_rate in base_rates.items():
             path = side_path(f"{label}-{rd}")
             if not path.exists():
                 continue
-            side = load(path)
-            ceiling_path = side_path(f"{ceiling}-{rd}")
-            base = load(ceiling_path if ceiling_path.exists() else side_path(ceiling))
-            base_rate = {r["logprobs"]: r["tokens_per_s"] for r in base["results"]}
+            side = json.loads(path.read_text())
             streams = side["settings"]["concurrency"]
             for r in side["results"]:
                 level = r["logprobs"]
@@ -303,9 +307,10 @@ def main() -> None:
         labels = args.compare.split(",")
         baselines = args.to.split(",") if args.to else labels[:1]
         if args.rounds:
-            compare_rounds(labels, baselines, args.rounds.split(","))
+            rounds = args.rounds.split(",")
+            compare_rounds(labels, baselines, rounds)
             if args.split:
-                split_by_pace(labels, baselines[0], args.rounds.split(","))
+                split_by_pace(labels, baselines[0], rounds)
         else:
             compare(labels, baselines)
         return
